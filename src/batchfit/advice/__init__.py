@@ -1,0 +1,1 @@
+"""Advice: learning-rate scaling, gradient noise scale, BatchNorm caveats."""

@@ -1,0 +1,54 @@
+"""Exceptions raised by batchfit.
+
+Map of the tree (kept shallow on purpose, so callers catch one thing)::
+
+    BatchfitError                      base of everything batchfit raises on purpose
+    ├── ConfigError (+ ValueError)     bad input: a size, a name, a capacity, a batch, a loss
+    │   └── UnknownNameError (+ KeyError-like message)   unknown device or preset
+    ├── DoesNotFitError                even one item does not fit; names the remedy
+    └── CheckpointError                unreadable, partial or mismatched checkpoint
+
+Each message is one line that names the fix; the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class BatchfitError(Exception):
+    """Base class of every error batchfit raises on purpose."""
+
+
+class ConfigError(BatchfitError, ValueError):
+    """Bad input: the message says what was wrong and what to pass instead."""
+
+
+class UnknownNameError(ConfigError):
+    """A device or preset name that is not in the catalog."""
+
+    def __init__(self, kind: str, name: str, known: Iterable[str], hint: str = "") -> None:
+        known = list(known)
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
+        if not close:
+            lowered = name.lower()
+            close = [k for k in known if lowered in k.lower() or k.lower() in lowered][:3]
+        msg = f"unknown {kind} {name!r}"
+        if close:
+            msg += f"; did you mean {', '.join(repr(c) for c in close)}?"
+        else:
+            msg += f"; known: {', '.join(known)}"
+        if hint:
+            msg += f" {hint}"
+        super().__init__(msg)
+        self.name = name
+        self.close_matches = close
+
+
+class DoesNotFitError(BatchfitError):
+    """The workload does not fit on the device even at the smallest setting tried."""
+
+
+class CheckpointError(BatchfitError):
+    """A checkpoint could not be read, is incomplete, or belongs to another run."""

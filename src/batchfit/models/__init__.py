@@ -1,0 +1,1 @@
+"""Built-in models for the presets: small pure-torch networks and transformers configurations."""

@@ -1,0 +1,1 @@
+"""Training: exact gradient accumulation, OOM recovery, data parallelism, checkpoints."""

@@ -1,0 +1,76 @@
+"""Workload: what one training step runs (model, batch maker, loss, optimizer), as plain values.
+
+Every stage of batchfit (trace, estimate, fit, plan, sweep, train) takes a Workload, so a user's own
+model and a built-in preset go through exactly the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batching import Batch
+from .errors import ConfigError
+
+ModelFactory = Callable[[], nn.Module]
+BatchFn = Callable[[int], Batch]
+LossFn = Callable[[nn.Module, Batch], Any]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The default optimizer: AdamW with torch's defaults (two fp32 states per trainable parameter)."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A training step to estimate, fit, plan or run.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from batchfit import Workload
+        >>> wl = Workload(
+        ...     model=lambda: nn.Linear(8, 2),
+        ...     batch=lambda b: (torch.randn(b, 8), torch.randint(0, 2, (b,))),
+        ...     loss=lambda m, batch: nn.functional.cross_entropy(m(batch[0]), batch[1]),
+        ... )
+        >>> wl.name
+        'custom'
+    """
+
+    model: nn.Module | ModelFactory
+    """The model, or a zero-argument function that builds it (preferred: it can be built on fake tensors)."""
+    batch: BatchFn
+    """``batch_size -> batch``; a batch is a tensor, tuple/list or dict sharing the leading dimension."""
+    loss: LossFn
+    """``(model, batch) -> loss``: a scalar mean over items, or ``(loss_sum, n_items)`` for token losses."""
+    optimizer: OptimizerFactory = adamw
+    """``params -> Optimizer``, called with the trainable parameters only."""
+    name: str = "custom"
+    """Shown in tables and reports."""
+    tokens_per_item: int | None = None
+    """Tokens in one item, for tokens/s in sweeps of language models (None: not a token model)."""
+    checkpoint_blocks: tuple[type[nn.Module], ...] = field(default=())
+    """Module classes that ``checkpointing="blocks"`` wraps in activation checkpointing."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The knobs a preset was built with (sizes, seq_len, optimizer), for reports and JSON."""
+
+    def build_model(self) -> nn.Module:
+        """The model: the instance given, or a new one from the factory."""
+        model = self.model if isinstance(self.model, nn.Module) else self.model()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"the workload's model factory returned {type(model).__name__}, not an nn.Module"
+            )
+        return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that get gradients and optimizer state (frozen ones, as in LoRA, get neither)."""
+    return [p for p in model.parameters() if p.requires_grad]
