@@ -1,0 +1,264 @@
+"""Estimate: the memory of one training step on a named device, read off its trace.
+
+Limitations:
+    - CUDA numbers assume one process per GPU, one stream, and the default allocator settings
+      (``PYTORCH_CUDA_ALLOC_CONF`` unset, or ``expandable_segments:True`` when asked).
+    - The CUDA context is a per-architecture constant (override with ``context_bytes``); other
+      processes on the GPU are not counted.
+    - cuDNN convolution workspaces depend on the algorithm cuDNN picks at run time and are not
+      modelled; convolution-heavy models on CUDA may need a few hundred MiB more than estimated.
+    - Compiled regions (``torch.compile``) are traced eagerly: the estimate is that of eager mode.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..devices import Device
+from .allocator import replay, round_size
+from .categories import ORDER, Category
+from .trace import MemoryTrace
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The memory of one training step of a workload at one batch size on one device."""
+
+    workload: str
+    batch_size: int
+    device: str
+    precision: str
+    checkpointing: bool
+    peak_allocated_bytes: int
+    """Bytes held by live tensors at the peak (on CUDA: rounded blocks, as ``memory_allocated``)."""
+    peak_reserved_bytes: int
+    """Bytes the caching allocator holds at its peak (``memory_reserved``); equal to allocated on CPU."""
+    device_total_bytes: int
+    """What nvidia-smi would show: reserved + CUDA context (cuBLAS workspaces are inside reserved)."""
+    capacity_bytes: int | None
+    """The device's total memory (None: no limit)."""
+    breakdown: dict[str, int]
+    """The six categories at the peak; they sum to ``peak_allocated_bytes``."""
+    per_module: dict[str, int]
+    """Bytes live at the peak by the module that allocated them (largest first)."""
+    peak_phase: str
+    """The phase of the step where the peak sits (forward, backward, optimizer, ...)."""
+    peak_step: int
+    """Which traced step (0: first, optimizer state not yet created; 1: steady state)."""
+    context_bytes: int
+    workspace_bytes: int
+    """cuBLAS workspaces held in the allocator (inside ``temporaries`` of the breakdown)."""
+    analytic: dict[str, Any] = field(default_factory=dict)
+    """The closed-form estimate (``memory/analytic.py``), for comparison."""
+    num_alloc_retries: int = 0
+    """Times the caching allocator had to free its cache and retry (fragmentation pressure)."""
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        """Capacity left over at the peak (negative: it does not fit)."""
+        if self.capacity_bytes is None:
+            return None
+        return self.capacity_bytes - self.device_total_bytes
+
+    @property
+    def fits(self) -> bool:
+        """True when the step fits in the device's memory."""
+        return self.capacity_bytes is None or self.device_total_bytes <= self.capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict: every field plus ``headroom_bytes`` and ``fits``."""
+        d = asdict(self)
+        d["headroom_bytes"] = self.headroom_bytes
+        d["fits"] = self.fits
+        return d
+
+
+@dataclass(frozen=True)
+class PeakReading:
+    """Where the allocated-bytes peak is and what is live there."""
+
+    peak_bytes: int
+    event_index: int
+    by_category: dict[str, int]
+    by_module: dict[str, int]
+
+
+def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
+    """The allocated-bytes peak of ``trace`` and its breakdown by category and module.
+
+    ``rounded`` counts each storage as the caching allocator's block (512-byte multiples), as
+    ``torch.cuda.memory_allocated`` does; otherwise exact bytes, as the CPU allocator holds them.
+    """
+    size = {sid: (round_size(n) if rounded else n) for sid, n in trace.nbytes.items()}
+    live = peak = 0
+    peak_index = 0
+    for i, e in enumerate(trace.events):
+        if e >= 0:
+            live += size[e]
+            if live > peak:
+                peak, peak_index = live, i
+        else:
+            live -= size[~e]
+    alive: set[int] = set()
+    for e in trace.events[: peak_index + 1]:
+        if e >= 0:
+            alive.add(e)
+        else:
+            alive.discard(~e)
+    by_category = {c.value: 0 for c in ORDER}
+    by_module: dict[str, int] = defaultdict(int)
+    for sid in alive:
+        by_category[trace.role.get(sid, Category.TEMPORARIES).value] += size[sid]
+        by_module[trace.module.get(sid, "")] += size[sid]
+    modules = dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
+    return PeakReading(peak, peak_index, by_category, modules)
+
+
+def estimate_from_trace(
+    trace: MemoryTrace,
+    *,
+    workload: str,
+    batch_size: int,
+    device: Device,
+    precision: str,
+    checkpointing: bool,
+    expandable_segments: bool = False,
+    analytic: dict[str, Any] | None = None,
+) -> Estimate:
+    """Turn a trace into an ``Estimate`` for ``device`` (exact bytes on CPU, allocator model on CUDA)."""
+    rounded = not device.exact
+    reading = read_peak(trace, rounded=rounded)
+    if device.exact:
+        reserved, context, retries = reading.peak_bytes, 0, 0
+    else:
+        stats = replay(trace.allocations(), expandable_segments=expandable_segments)
+        reserved, context, retries = stats.peak_reserved_bytes, device.context_bytes, stats.num_alloc_retries
+    phase, step = trace.phase_at(reading.event_index)
+    workspace = sum(
+        round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace")
+    )
+    return Estimate(
+        workload=workload,
+        batch_size=batch_size,
+        device=device.name,
+        precision=precision,
+        checkpointing=checkpointing,
+        peak_allocated_bytes=reading.peak_bytes,
+        peak_reserved_bytes=reserved,
+        device_total_bytes=reserved + context,
+        capacity_bytes=device.total_bytes,
+        breakdown=reading.by_category,
+        per_module=reading.by_module,
+        peak_phase=phase,
+        peak_step=step,
+        context_bytes=context,
+        workspace_bytes=workspace,
+        analytic=analytic or {},
+        num_alloc_retries=retries,
+    )
+
+
+def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
+    """An int >= 1, or one clear error naming the fix."""
+    from ..errors import ConfigError
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"{what} must be a whole number >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def estimate(
+    workload: Any,
+    batch_size: int,
+    *,
+    device: str | Device = "cpu",
+    precision: str = "fp32",
+    checkpointing: Any = None,
+    expandable_segments: bool = False,
+) -> Estimate:
+    """Estimate the memory of one training step of ``workload`` at ``batch_size`` on ``device``.
+
+    The step (forward, loss, backward, optimizer step, zero_grad) runs twice on fake tensors; the
+    trace of every storage gives the peak, its breakdown and, through the caching-allocator model,
+    reserved memory and what nvidia-smi would show. No GPU is needed, and a 7B model costs no memory.
+
+    Args:
+        workload: a ``Workload``, or a preset name / ``"module:function"`` spec.
+        batch_size: items in the step's batch.
+        device: a catalog GPU (``"A100-40GB"``), a capacity (``"24GiB"``), ``"cpu"`` or a ``Device``.
+            On ``"cpu"`` the peak is the exact number of bytes the CPU allocator holds.
+        precision: ``fp32``, ``bf16``, ``fp16`` (autocast) or ``bf16-true``.
+        checkpointing: None, ``"blocks"`` (the workload's blocks) or a list of module classes.
+        expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+
+    Returns:
+        An ``Estimate``.
+
+    Raises:
+        ConfigError: a bad batch size, device, precision, checkpointing or loss.
+
+    Example:
+        >>> import batchfit
+        >>> est = batchfit.estimate(batchfit.presets.get("mlp"), 32, device="cpu")
+        >>> sum(est.breakdown.values()) == est.peak_allocated_bytes
+        True
+
+    Limitations:
+        See the module docstring: cuDNN workspaces, other processes, compiled regions.
+    """
+    from ..checkpointing import checkpoint_classes
+    from ..devices import get_device
+    from ..precision import policy_for
+    from .analytic import analytic_estimate
+    from .trace import trace_workload
+
+    workload = _as_workload(workload)
+    batch_size = check_batch_size(batch_size)
+    dev = get_device(device)
+    policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
+    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    if dev.exact:
+        from .probe import CpuScratchProbe
+
+        kernels: Any = CpuScratchProbe()
+        emulation = None
+    else:
+        from .cuda import CudaKernels, cuda_emulation
+
+        kernels = CudaKernels(dev)
+        emulation = cuda_emulation(policy)
+    trace = trace_workload(
+        workload,
+        batch_size,
+        param_dtype=policy.param_dtype,
+        autocast=policy.autocast("cpu"),
+        checkpoint_classes=classes,
+        kernels=kernels,
+        emulation=emulation,
+    )
+    return estimate_from_trace(
+        trace,
+        workload=workload.name,
+        batch_size=batch_size,
+        device=dev,
+        precision=policy.precision.value,
+        checkpointing=bool(classes),
+        expandable_segments=expandable_segments,
+        analytic=analytic_estimate(workload, batch_size, policy, trace),
+    )
+
+
+def _as_workload(workload: Any) -> Any:
+    from ..workload import Workload
+
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, str):
+        from ..presets import load
+
+        return load(workload)
+    from ..errors import ConfigError
+
+    raise ConfigError(f"expected a Workload or a preset name, got {type(workload).__name__}")

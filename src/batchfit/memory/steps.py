@@ -1,0 +1,113 @@
+"""One plain training step, shared by the tracer, the real-run measurement and the simulated device.
+
+The estimator's claim is "this is what the step you would run allocates". That holds only if the
+traced step and the measured step are the same Python code, down to when each reference is dropped,
+so they both call ``run_steps`` here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..batching import Batch
+from ..errors import ConfigError
+
+#: Phases of a step, in order; the tracer marks them on its timeline.
+PHASES = ("batch", "forward", "backward", "optimizer", "zero_grad")
+
+
+def loss_for_backward(out: Any) -> torch.Tensor:
+    """The scalar to call ``backward`` on, from what a workload's loss returned.
+
+    A scalar is a mean over the batch's items; ``(loss_sum, n_items)`` is a token-level loss whose
+    mean is ``loss_sum / n_items``. Nothing here reads a tensor's value, so it runs on fake tensors.
+
+    Raises:
+        ConfigError: the loss is neither form.
+    """
+    if isinstance(out, torch.Tensor):
+        if out.dim() != 0 or not out.is_floating_point():
+            raise ConfigError(
+                f"the loss returned a tensor of shape {tuple(out.shape)} and dtype {out.dtype}; return a scalar "
+                "float tensor (the mean over the batch) or a tuple (loss_sum, n_items)"
+            )
+        return out
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        total, count = out
+        if total.dim() != 0 or not total.is_floating_point():
+            raise ConfigError(
+                f"the loss's loss_sum has shape {tuple(total.shape)}; it must be a scalar float tensor"
+            )
+        if isinstance(count, torch.Tensor):
+            if count.dim() != 0:
+                raise ConfigError("the loss's n_items must be an int or a 0-d tensor")
+        elif not isinstance(count, int) or isinstance(count, bool):
+            raise ConfigError(f"the loss's n_items must be an int or a 0-d tensor, got {type(count).__name__}")
+        return total / count
+    raise ConfigError(
+        f"the loss returned {type(out).__name__}; return a scalar float tensor (the mean over the batch) "
+        "or a tuple (loss_sum, n_items) for token-level losses"
+    )
+
+
+Marker = Callable[[str, int], None]
+
+
+def _no_marker(phase: str, step: int) -> None:
+    return None
+
+
+def run_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    make_batch: Callable[[], Batch],
+    loss_fn: Callable[[nn.Module, Batch], Any],
+    *,
+    steps: int = 2,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    mark: Marker = _no_marker,
+) -> None:
+    """Run ``steps`` full training steps: batch, forward + loss, backward, optimizer step, zero_grad.
+
+    Two steps by default: the first creates the optimizer's state lazily, the second is the steady
+    state; the larger of the two is what a training run needs. References are held the way a usual
+    ``for batch in loader:`` loop holds them: the batch and the loss stay alive through the optimizer
+    step, and the next batch is made while the previous one is still referenced.
+
+    Args:
+        mark: called with ``(phase, step)`` as each phase starts (the tracer's timeline).
+    """
+    batch = loss = None
+    for step in range(steps):
+        mark("batch", step)
+        batch = make_batch()
+        mark("forward", step)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            loss = loss_for_backward(loss_fn(model, batch))
+        mark("backward", step)
+        loss.backward()
+        mark("optimizer", step)
+        optimizer.step()
+        mark("zero_grad", step)
+        optimizer.zero_grad(set_to_none=True)
+    del batch, loss
+    mark("end", steps)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Build models and batches in ``dtype`` (how bf16-true training is set up without ``.to()``)."""
+    if dtype is None:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,0 +1,291 @@
+"""The memory trace of real training steps, run on fake tensors.
+
+``trace_workload`` builds the model, its optimizer and its batches under ``FakeTensorMode`` (shapes,
+dtypes and storages exist; bytes do not, so a 7B model costs nothing), runs two real training steps
+and records every storage's birth and death with its role (``Category``), the module that allocated
+it and the phase of the step. Everything batchfit knows about memory is computed from that list.
+
+Limitations:
+    The trace sees op outputs. Memory a kernel allocates and frees inside one op (oneDNN, cuDNN,
+    cuBLAS scratch) is added by a kernel model: measured per op signature on the CPU
+    (``memory/probe.py``), modelled from the kernels' sources for CUDA (``memory/cuda.py``).
+    Fragmentation is the allocator simulator's job, not the trace's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..workload import Workload, trainable_parameters
+from .categories import Category
+from .steps import run_steps
+from .tracker import RoleBook, StorageTracker
+
+OUTSIDE = "(outside modules)"
+
+
+@dataclass
+class MemoryTrace:
+    """Births and deaths of every storage of a traced step.
+
+    ``events`` holds one int per event: ``sid`` for an allocation, ``~sid`` (negative) for a free.
+    """
+
+    events: list[int] = field(default_factory=list)
+    nbytes: dict[int, int] = field(default_factory=dict)
+    role: dict[int, Category] = field(default_factory=dict)
+    module: dict[int, str] = field(default_factory=dict)
+    phases: list[tuple[int, str, int]] = field(default_factory=list)
+    """``(event_index, phase, step)``: the phase that starts at that event."""
+    op: dict[int, str] = field(default_factory=dict)
+    """The op that allocated each storage (``"param"``, ``"batch"``, an aten op, or a scratch label)."""
+
+    def allocations(self) -> Iterator[tuple[bool, int, int]]:
+        """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
+        nbytes = self.nbytes
+        for e in self.events:
+            if e >= 0:
+                yield True, e, nbytes[e]
+            else:
+                yield False, ~e, nbytes[~e]
+
+    def phase_at(self, index: int) -> tuple[str, int]:
+        """The phase and step in force at event ``index``."""
+        current = ("setup", 0)
+        for start, phase, step in self.phases:
+            if start > index:
+                break
+            current = (phase, step)
+        return current
+
+
+class Tracer:
+    """Records a ``MemoryTrace`` while a training step runs (a context manager).
+
+    It stacks a ``StorageTracker`` (every op output's storage), autograd's saved-tensor hooks
+    (activations), post-accumulate-grad hooks (gradients), an optimizer step hook (optimizer states)
+    and a module tracker (which module allocated what). Each install has its restore in ``__exit__``.
+
+    Args:
+        model: the (fake) model; its parameters and buffers are registered up front.
+        optimizer: the (fake) optimizer whose state tensors are optimizer states.
+        kernels: a kernel model; its ``after_op(tracer, func, args, kwargs, new_output_sids)`` runs
+            after each op and may call ``tracer.add_scratch`` for memory the kernel allocates inside.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        kernels: Any = None,
+    ) -> None:
+        self.trace = MemoryTrace()
+        self.model = model
+        self.optimizer = optimizer
+        self._roles = RoleBook()
+        self._phase = "setup"
+        self._kernels = kernels
+        self._next_scratch = -1
+        self._stack = contextlib.ExitStack()
+        self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
+        self._mod_tracker: Any = None
+        self._param_module: dict[int, str] = {}
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _current_module(self) -> str:
+        if self._mod_tracker is None:
+            return OUTSIDE
+        parents = self._mod_tracker.parents
+        if len(parents) <= 1:
+            return OUTSIDE
+        return max(parents, key=lambda name: name.count("."))
+
+    def _on_alloc(self, sid: int, nbytes: int) -> None:
+        t = self.trace
+        t.events.append(sid)
+        t.nbytes[sid] = nbytes
+        t.module[sid] = self._current_module()
+        func = self._tracker.current_func
+        t.op[sid] = str(func) if func is not None and self._phase != "setup" else self._phase
+        self._roles.born(sid, Category.BATCH_DATA if self._phase == "batch" else Category.TEMPORARIES)
+
+    def _on_free(self, sid: int) -> None:
+        self.trace.events.append(~sid)
+
+    def _after_op(self, func: Any, args: tuple, kwargs: dict, outputs: list, first_new: int) -> None:
+        if self._kernels is not None:
+            new_sids = []
+            for t in outputs:
+                sid = self._tracker.storage_id(t)
+                new_sids.append(sid if sid is not None and sid >= first_new else None)
+            self._kernels.after_op(self, func, args, kwargs, new_sids)
+
+    def add_scratch(self, nbytes: int, label: str, *, transient: bool) -> int:
+        """Record memory a kernel allocates internally (freed at once when ``transient``)."""
+        sid = self._scratch_id()
+        t = self.trace
+        t.events.append(sid)
+        t.nbytes[sid] = nbytes
+        t.module[sid] = self._current_module()
+        t.op[sid] = label
+        self._roles.born(sid, Category.TEMPORARIES)
+        if transient:
+            t.events.append(~sid)
+        return sid
+
+    @property
+    def phase(self) -> str:
+        """The phase of the step being traced."""
+        return self._phase
+
+    def _scratch_id(self) -> int:
+        # Scratch storages get ids far above any real storage's so the two never collide.
+        self._next_scratch += 1
+        return (1 << 40) + self._next_scratch
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._roles.mark(self._tracker.storage_id(t), Category.ACTIVATIONS)
+        return t
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            sid = self._tracker.register(p.grad)
+            self._roles.mark(sid, Category.GRADIENTS)
+            self._own(sid, p)
+
+    def _own(self, sid: int | None, p: torch.Tensor) -> None:
+        if sid is not None:
+            self.trace.module[sid] = self._param_module.get(id(p), OUTSIDE)
+
+    def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for p, state in optimizer.state.items():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    sid = self._tracker.register(value)
+                    self._roles.mark(sid, Category.OPTIMIZER_STATES)
+                    self._own(sid, p)
+
+    def mark(self, phase: str, step: int) -> None:
+        """Start ``phase`` of ``step`` on the timeline."""
+        self._phase = phase
+        self.trace.phases.append((len(self.trace.events), phase, step))
+
+    # -- context --------------------------------------------------------------------------------
+    def __enter__(self) -> Tracer:
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        stack = self._stack
+        stack.enter_context(self._tracker)
+        self.mark("setup", 0)
+        mod_names = {}
+        root = type(self.model).__name__
+        for name, mod in self.model.named_modules():
+            mod_names[id(mod)] = f"{root}.{name}" if name else root
+        for mod in self.model.modules():
+            for p in mod.parameters(recurse=False):
+                self._param_module.setdefault(id(p), mod_names[id(mod)])
+            for b in mod.buffers(recurse=False):
+                self._param_module.setdefault(id(b), mod_names[id(mod)])
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            sid = self._tracker.register(tensor)
+            self._roles.mark(sid, Category.PARAMETERS)
+            if sid is not None:
+                self._roles.born(sid, Category.PARAMETERS)
+                self._own(sid, tensor)
+        for p in trainable_parameters(self.model):
+            handle = p.register_post_accumulate_grad_hook(self._grad_hook)
+            stack.callback(handle.remove)
+        handle = self.optimizer.register_step_post_hook(self._step_hook)
+        stack.callback(handle.remove)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self._mod_tracker = stack.enter_context(ModTracker())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+        self.trace.role = dict(self._roles.role)
+        self._mod_tracker = None
+
+
+# -- building on fake tensors ------------------------------------------------------------------
+def fake_model(workload: Workload, fake_mode: FakeTensorMode, param_dtype: torch.dtype | None) -> nn.Module:
+    """The workload's model with fake parameters.
+
+    A factory is called under the fake mode (its parameters are born fake). A module instance is
+    copied with every parameter and buffer replaced by a fake of the same shape (``param_dtype`` for
+    floating ones when given), through ``deepcopy``'s memo so tied weights stay tied and no real
+    bytes are copied.
+    """
+    if not isinstance(workload.model, nn.Module):
+        with fake_mode:
+            return workload.build_model()
+    real = workload.model
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for p in real.parameters():
+            dtype = param_dtype if (param_dtype is not None and p.is_floating_point()) else p.dtype
+            fake = torch.empty_strided(p.shape, p.stride(), dtype=dtype)
+            memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+        for b in real.buffers():
+            memo[id(b)] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype)
+    return copy.deepcopy(real, memo)
+
+
+@contextlib.contextmanager
+def real_execution() -> Iterator[None]:
+    """Leave every dispatch mode (fake, tracking) for a moment, to run a kernel for real."""
+    with _disable_current_modes():
+        yield
+
+
+def trace_workload(
+    workload: Workload,
+    batch_size: int,
+    *,
+    param_dtype: torch.dtype | None,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None,
+    checkpoint_classes: tuple[type, ...] = (),
+    kernels: Any = None,
+    emulation: Callable[[], contextlib.AbstractContextManager] | None = None,
+    steps: int = 2,
+) -> MemoryTrace:
+    """Trace ``steps`` training steps of ``workload`` at ``batch_size`` on fake CPU tensors.
+
+    Args:
+        param_dtype: default dtype while building the model and batches (bf16-true training).
+        autocast: factory of the autocast context wrapping forward and loss (None: no autocast).
+        checkpoint_classes: module classes whose forward is checkpointed.
+        kernels: a kernel model (``CpuScratchProbe`` or ``CudaKernels``): its ``after_op`` adds
+            scratch after each op, and ``finish(trace)`` fills in what it measured after the trace.
+        emulation: factory of a context that makes CPU kernels behave like the target's (CUDA).
+    """
+    from ..checkpointing import apply_checkpointing
+    from .steps import default_dtype
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with default_dtype(param_dtype):
+        model = fake_model(workload, fake_mode, param_dtype)
+    apply_checkpointing(model, checkpoint_classes)
+    model.train()
+    with fake_mode:
+        optimizer = workload.optimizer(trainable_parameters(model))
+
+    def make_batch() -> Any:
+        with default_dtype(param_dtype):
+            return workload.batch(batch_size)
+
+    tracer = Tracer(model, optimizer, kernels)
+    with fake_mode, (emulation() if emulation is not None else contextlib.nullcontext()), tracer:
+        run_steps(model, optimizer, make_batch, workload.loss, steps=steps, autocast=autocast, mark=tracer.mark)
+    if kernels is not None:
+        kernels.finish(tracer.trace)
+    return tracer.trace
