@@ -58,6 +58,10 @@ class Workload:
     """Tokens in one item, for tokens/s in sweeps of language models (None: not a token model)."""
     checkpoint_blocks: tuple[type[nn.Module], ...] = field(default=())
     """Module classes that ``checkpointing="blocks"`` wraps in activation checkpointing."""
+    items: Callable[[torch.Tensor, int], Batch] | None = None
+    """``(item_ids, seed) -> batch`` of deterministic synthetic items: item ``i`` depends only on
+    ``(item_ids[i], seed)``, so the same items reach the model whatever the split or world size.
+    Presets have it; a user workload only needs it for ``batchfit train`` on synthetic data."""
     config: dict[str, Any] = field(default_factory=dict)
     """The knobs a preset was built with (sizes, seq_len, optimizer), for reports and JSON."""
 

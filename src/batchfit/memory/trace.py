@@ -269,6 +269,7 @@ def trace_workload(
         emulation: factory of a context that makes CPU kernels behave like the target's (CUDA).
     """
     from ..checkpointing import apply_checkpointing
+    from .compat import library_compat
     from .steps import default_dtype
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -284,7 +285,8 @@ def trace_workload(
             return workload.batch(batch_size)
 
     tracer = Tracer(model, optimizer, kernels)
-    with fake_mode, (emulation() if emulation is not None else contextlib.nullcontext()), tracer:
+    emulate = emulation() if emulation is not None else contextlib.nullcontext()
+    with library_compat(), fake_mode, emulate, tracer:
         run_steps(model, optimizer, make_batch, workload.loss, steps=steps, autocast=autocast, mark=tracer.mark)
     if kernels is not None:
         kernels.finish(tracer.trace)

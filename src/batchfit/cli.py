@@ -1,0 +1,205 @@
+"""The ``batchfit`` command line: every command mirrors a Python API call and takes ``--json``.
+
+Results go to stdout (a rich table, or one JSON object with ``--json``); diagnostics go to stderr.
+Bad input ends with one line ``batchfit: error: ...`` naming the fix, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from .errors import BatchfitError, ConfigError
+
+# typer raises its click's exceptions (vendored from typer 0.29 on); find the classes through it.
+_USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
+_CLICK_EXCEPTION: type[Exception] = typer.BadParameter.__mro__[2]
+
+app = typer.Typer(
+    help="Make any batch size trainable on the GPU memory you have.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+PresetArg = Annotated[str, typer.Argument(help="A preset name (see `batchfit presets`) or module.path:function.")]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", "-d", help="A catalog GPU (see `batchfit gpus`), a capacity like 24GiB, or cpu.")
+]
+PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, bf16, fp16 or bf16-true.")]
+SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (language-model presets).")]
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="adamw, adam or sgd (presets).")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set n_layer=4.")
+]
+CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing of blocks.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+ContextOpt = Annotated[
+    float | None, typer.Option("--context-mib", help="Override the device's CUDA context size (MiB).")
+]
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def _overrides(seq_len: int | None, optimizer: str | None, sets: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in sets or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set takes KEY=VALUE, got {item!r}; e.g. --set n_layer=4")
+        out[key.strip()] = _parse_value(value.strip())
+    if seq_len is not None:
+        out["seq_len"] = seq_len
+    if optimizer is not None:
+        out["optimizer"] = optimizer
+    return out
+
+
+def _workload(preset: str, seq_len: int | None, optimizer: str | None, sets: list[str] | None) -> Any:
+    from .presets import load
+
+    return load(preset, **_overrides(seq_len, optimizer, sets))
+
+
+def _device(name: str, context_mib: float | None) -> Any:
+    from .devices import get_device
+
+    dev = get_device(name)
+    if context_mib is not None:
+        dev = dev.with_overrides(context_bytes=int(context_mib * 2**20))
+    return dev
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+
+
+@app.command()
+def estimate(
+    preset: PresetArg,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Items in one step's batch.")],
+    device: DeviceOpt = "cpu",
+    precision: PrecisionOpt = "fp32",
+    seq_len: SeqLenOpt = None,
+    optimizer: OptimizerOpt = None,
+    checkpointing: CheckpointingOpt = False,
+    context_mib: ContextOpt = None,
+    expandable_segments: Annotated[
+        bool, typer.Option("--expandable-segments", help="Model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+    ] = False,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
+    from .memory.estimate import check_batch_size
+    from .memory.estimate import estimate as run_estimate
+
+    check_batch_size(batch_size, "--batch-size")
+    dev = _device(device, context_mib)
+    wl = _workload(preset, seq_len, optimizer, set_)
+    est = run_estimate(
+        wl,
+        batch_size,
+        device=dev,
+        precision=precision,
+        checkpointing="blocks" if checkpointing else None,
+        expandable_segments=expandable_segments,
+    )
+    if as_json:
+        _emit_json(est.to_dict())
+        return
+    from .report.tables import estimate_table
+
+    _console().print(estimate_table(est))
+
+
+@app.command()
+def gpus(as_json: JsonOpt = False) -> None:
+    """List the GPU catalog."""
+    from dataclasses import asdict
+
+    from .devices import catalog
+
+    devices = catalog()
+    if as_json:
+        _emit_json({"devices": [asdict(d) for d in devices]})
+        return
+    from .report.tables import devices_table
+
+    _console().print(devices_table(devices))
+
+
+@app.command()
+def presets(as_json: JsonOpt = False) -> None:
+    """List the built-in workloads."""
+    from .presets import describe
+
+    rows = describe()
+    if as_json:
+        _emit_json({"presets": [{"name": n, "description": d} for n, d in rows]})
+        return
+    from rich.table import Table
+
+    table = Table(title="presets", title_justify="left")
+    table.add_column("name")
+    table.add_column("description")
+    for name, text in rows:
+        table.add_row(name, text)
+    _console().print(table)
+
+
+@app.command()
+def demo() -> None:
+    """A tour on a built-in default: estimate a GPT-2-small step on a 16 GB GPU."""
+    from .memory.estimate import estimate as run_estimate
+    from .presets import get
+    from .report.tables import estimate_table
+
+    console = _console()
+    wl = get("gpt", seq_len=1024)
+    console.rule("[bold]1. estimate: GPT-2 small (124M), seq 1024, batch 8, AdamW fp32 on a V100-16GB")
+    est = run_estimate(wl, 8, device="V100-16GB", precision="fp32")
+    console.print(estimate_table(est))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app and turns every expected failure into one line and exit code 2.
+
+    Returns the exit code (the console script passes it to ``sys.exit``).
+    """
+    try:
+        rv = app(args=argv, standalone_mode=False, prog_name="batchfit")
+    except BatchfitError as exc:
+        sys.stderr.write(f"batchfit: error: {exc}\n")
+        return 2
+    except _USAGE_ERROR as exc:
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see `batchfit {ctx.info_name} --help`)" if ctx is not None and ctx.parent is not None else ""
+        sys.stderr.write(f"batchfit: error: {exc.format_message()}{hint}\n")  # type: ignore[attr-defined]
+        return 2
+    except typer.Abort:
+        sys.stderr.write("batchfit: aborted\n")
+        return 130
+    except _CLICK_EXCEPTION as exc:
+        sys.stderr.write(f"batchfit: error: {exc.format_message()}\n")  # type: ignore[attr-defined]
+        return getattr(exc, "exit_code", 1)
+    return rv if isinstance(rv, int) else 0

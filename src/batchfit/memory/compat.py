@@ -1,0 +1,40 @@
+"""Libraries that branch on "am I being traced?" and would take another path on fake tensors.
+
+NOTE [ Data-dependent branches seen through fake tensors ]
+Fake tensors have no values, so code that asks a question about values must either refuse or guess.
+transformers guesses conservatively: ``masking_utils.find_packed_sequence_indices`` checks whether
+the position ids describe packed sequences (``(mask[:, -1] == 0).all()``) and, when it cannot read
+them (``is_tracing`` is true for fake tensors), assumes they might be packed and materialises a
+B x 1 x T x T attention mask. A real run with ordinary position ids finds them unpacked and lets SDPA
+use ``is_causal=True`` with no mask. During a trace we answer the question the way the real run
+would for position ids transformers builds itself (contiguous, so not packed). Training on packed
+sequences with explicit position ids would materialise the mask for real; that case is estimated
+a little low.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+@contextlib.contextmanager
+def library_compat() -> Iterator[None]:
+    """Patch the known library branches for the duration of a trace (each with its restore)."""
+    with contextlib.ExitStack() as stack:
+        masking = sys.modules.get("transformers.masking_utils")
+        original = getattr(masking, "find_packed_sequence_indices", None)
+        if masking is not None and original is not None:
+
+            def find_packed_sequence_indices(position_ids: Any) -> Any:
+                if isinstance(position_ids, FakeTensor):
+                    return None
+                return original(position_ids)
+
+            masking.find_packed_sequence_indices = find_packed_sequence_indices
+            stack.callback(setattr, masking, "find_packed_sequence_indices", original)
+        yield

@@ -1,0 +1,225 @@
+"""Making a trace on fake CPU tensors allocate what the same step allocates on a CUDA GPU.
+
+A CPU build of PyTorch cannot fake ``cuda`` tensors, so the step is traced on fake CPU tensors and
+the kernels whose memory differs between the two devices are corrected here, one by one. Each
+correction says why, and ``tests/test_cuda_model.py`` checks each one.
+
+NOTE [ CPU and CUDA kernels that keep different memory ]
+1. Dropout. On the CPU, ``F.dropout`` is composite: it draws a mask in the *input's dtype* and
+   multiplies (``aten/src/ATen/native/Dropout.cpp``, ``_dropout_impl``), so autograd keeps a 4-byte
+   mask per fp32 element. On CUDA it calls the fused ``native_dropout`` whose mask is ``bool`` (1 byte,
+   ``is_fused_kernel_acceptable``). We route dropout to ``native_dropout``.
+2. Attention. ``scaled_dot_product_attention`` on the CPU falls back to the math path whenever there
+   is dropout, which materialises the B*H*T*T attention matrix (and its dropout mask) for backward.
+   CUDA's flash / memory-efficient kernels keep only the output and a float32 log-sum-exp of B*H*T,
+   with dropout regenerated from a Philox seed (``sdp_utils.cpp`` selects them for fp16/bf16, and
+   memory-efficient attention for fp32 and arbitrary masks). We route attention to the CPU flash
+   kernel, whose saved tensors have those sizes, with the mask passed through.
+3. Autocast. CUDA's autocast runs a list of ops in float32 (layer_norm, softmax, log_softmax, exp,
+   pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
+   ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
+   half the bytes. We register AutocastCPU kernels that apply CUDA's policy for the ops CPU autocast
+   leaves alone, only for the duration of the trace.
+4. cuBLAS workspace. Each cuBLAS handle/stream gets a workspace from the caching allocator on its
+   first GEMM (``CublasHandlePool.cpp``), and training uses two: the forward thread's and the
+   autograd engine's. It stays allocated.
+
+Limitations:
+    cuDNN convolution workspaces (chosen at run time) and cuBLASLt's workspace are not modelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..devices import Device
+from ..precision import PrecisionPolicy
+
+# -- 4. cuBLAS workspace ----------------------------------------------------------------------------
+_GEMMS = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten.addmv.default",
+    "aten.mv.default",
+    "aten.addbmm.default",
+}
+
+
+class CudaKernels:
+    """The tracer's kernel model for a CUDA device: adds the cuBLAS workspaces where CUDA allocates them."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._handles: set[str] = set()
+
+    def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
+        if str(func) not in _GEMMS:
+            return
+        handle = "autograd thread" if tracer.phase == "backward" else "main thread"
+        if handle in self._handles or len(self._handles) >= self.device.cublas_handles:
+            return
+        self._handles.add(handle)
+        tracer.add_scratch(self.device.cublas_workspace_bytes, f"cuBLAS workspace ({handle})", transient=False)
+
+    def finish(self, trace: Any) -> None:
+        return None
+
+
+# -- 1 and 2: dropout and attention ----------------------------------------------------------------
+_DROPOUTS = {F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
+
+
+def _dropout_like_cuda(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    if not training or p == 0.0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+def _sdpa_like_cuda(orig: Callable, args: tuple, kwargs: dict) -> Any:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    mask = bound.get("attn_mask")
+    if q.dim() != 4 or q.shape[-1] > 256:
+        return orig(*args, **kwargs)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: CUDA kernels take it natively
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if torch.is_autocast_enabled("cpu"):
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    try:
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, bool(bound.get("is_causal", False)), attn_mask=mask, scale=bound.get("scale")
+        )
+    except RuntimeError:  # a layout the CPU kernel refuses: keep the generic path
+        return orig(*args, **kwargs)
+    return out
+
+
+class _CudaKernelRouting(TorchFunctionMode):
+    """Routes dropout and attention to kernels whose saved tensors match CUDA's (NOTE, items 1-2)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            names = ("input", "p", "training")
+            bound = dict(zip(names, args))
+            bound.update(kwargs)
+            default_training = func is not torch.dropout
+            return _dropout_like_cuda(
+                bound["input"], float(bound.get("p", 0.5)), bool(bound.get("training", default_training))
+            )
+        if func is F.scaled_dot_product_attention:
+            return _sdpa_like_cuda(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+# -- 3. autocast ---------------------------------------------------------------------------------
+# CUDA's autocast ops that run in float32 (autocast_mode.cpp, KERNEL_CUDA(..., fp32)).
+CUDA_FP32_OPS = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+    "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus",
+    "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm",
+    "nuclear_norm.dim", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+    "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist",
+    "cdist", "renorm", "logsumexp",
+)  # fmt: skip
+# ... and those that run with dtype=float32 when the caller gave no dtype (fp32_set_opt_dtype).
+CUDA_FP32_OPT_DTYPE_OPS = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
+    "linalg_vector_norm", "linalg_matrix_norm", "sum", "sum.dim_IntList",
+)  # fmt: skip
+
+_LOW = (torch.bfloat16, torch.float16)
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in _LOW:
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_fp32(v) for v in x)
+    return x
+
+
+def _fp32_kernel(op: Any) -> Callable:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
+
+    return kernel
+
+
+def _fp32_opt_dtype_kernel(op: Any) -> Callable:
+    dtype_pos = [i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        given = kwargs.get("dtype")
+        if given is None and dtype_pos and dtype_pos[0] < len(args):
+            given = args[dtype_pos[0]]
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            if given is None and any(isinstance(a, torch.Tensor) and a.dtype in _LOW for a in args):
+                if dtype_pos and dtype_pos[0] < len(args):
+                    args = (*args[: dtype_pos[0]], torch.float32, *args[dtype_pos[0] + 1 :])
+                else:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _overload(qualified: str) -> Any:
+    name, _, overload = qualified.partition(".")
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return None
+    return getattr(packet, overload or "default", None)
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy() -> Iterator[list[str]]:
+    """While active, CPU autocast casts like CUDA autocast (NOTE, item 3); yields the ops changed."""
+    lib = torch.library.Library("aten", "IMPL")
+    changed = []
+    try:
+        for names, make in ((CUDA_FP32_OPS, _fp32_kernel), (CUDA_FP32_OPT_DTYPE_OPS, _fp32_opt_dtype_kernel)):
+            for qualified in names:
+                op = _overload(qualified)
+                if op is None:
+                    continue
+                schema_name = op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
+                if torch._C._dispatch_has_kernel_for_dispatch_key(schema_name, "AutocastCPU"):
+                    continue  # CPU autocast already has a policy for it; keep the CPU's own
+                lib.impl(qualified, make(op), "AutocastCPU")
+                changed.append(qualified)
+        yield changed
+    finally:
+        lib._destroy()
+
+
+def cuda_emulation(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context that makes a fake-CPU trace allocate like CUDA (NOTE, items 1-3)."""
+
+    @contextlib.contextmanager
+    def emulate() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if policy.autocast_dtype is not None:
+                stack.enter_context(cuda_autocast_policy())
+            stack.enter_context(_CudaKernelRouting())
+            yield
+
+    return emulate

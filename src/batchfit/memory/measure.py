@@ -1,0 +1,73 @@
+"""Measuring the real CPU allocator during real training steps: the ground truth for the estimator.
+
+There is no CPU allocator statistics API in PyTorch, but the profiler with ``profile_memory=True``
+records every allocation and free the CPU allocator makes, including those inside kernels. Sorted by
+time, their running sum on top of the bytes live at the start (parameters and buffers) is what the
+allocator holds at each instant; its maximum is the peak.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from ..checkpointing import apply_checkpointing, checkpoint_classes
+from ..precision import policy_for
+from ..workload import Workload, trainable_parameters
+from .steps import default_dtype, run_steps
+
+
+def live_storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def profile_peak(prof: Any, start_bytes: int = 0) -> int:
+    """The peak of ``start_bytes`` + the running sum of the profiler's ``[memory]`` events."""
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = peak = start_bytes
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def measure_cpu_peak(
+    workload: Workload,
+    batch_size: int,
+    *,
+    precision: str = "fp32",
+    checkpointing: Any = None,
+    steps: int = 2,
+    seed: int = 0,
+) -> int:
+    """Run ``steps`` real training steps on the CPU and return the allocator's peak, in bytes.
+
+    The model and optimizer are built first (their bytes are the starting point); then the same
+    ``run_steps`` the tracer uses runs under the profiler.
+    """
+    policy = policy_for(precision)
+    torch.manual_seed(seed)
+    with default_dtype(policy.param_dtype):
+        model: nn.Module = workload.build_model()
+    apply_checkpointing(model, checkpoint_classes(checkpointing, workload.checkpoint_blocks))
+    model.train()
+    optimizer = workload.optimizer(trainable_parameters(model))
+    start = live_storage_bytes([*model.parameters(), *model.buffers()])
+
+    def make_batch() -> Any:
+        with default_dtype(policy.param_dtype):
+            return workload.batch(batch_size)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_steps(model, optimizer, make_batch, workload.loss, steps=steps, autocast=policy.autocast("cpu"))
+    return profile_peak(prof, start)
