@@ -1,8 +1,17 @@
-"""batchfit: make any batch size trainable on the GPU memory you have."""
+"""batchfit: make any batch size trainable on the GPU memory you have.
+
+Estimate the memory of a training step on a named GPU without that GPU, fit the largest and the
+fastest micro-batch, plan any global batch as micro-batch x accumulation x GPUs, and train with
+gradient accumulation that is exactly the large batch.
+"""
 
 from __future__ import annotations
 
+from . import devices, presets
+from .devices import Device, get_device
 from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, UnknownNameError
+from .memory.estimate import Estimate, estimate
+from .simulated import SimulatedDevice
 from .workload import Workload
 
 __version__ = "0.1.0"
@@ -11,8 +20,15 @@ __all__ = [
     "BatchfitError",
     "CheckpointError",
     "ConfigError",
+    "Device",
     "DoesNotFitError",
+    "Estimate",
+    "SimulatedDevice",
     "UnknownNameError",
     "Workload",
     "__version__",
+    "devices",
+    "estimate",
+    "get_device",
+    "presets",
 ]

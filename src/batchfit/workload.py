@@ -62,6 +62,9 @@ class Workload:
     """``(item_ids, seed) -> batch`` of deterministic synthetic items: item ``i`` depends only on
     ``(item_ids[i], seed)``, so the same items reach the model whatever the split or world size.
     Presets have it; a user workload only needs it for ``batchfit train`` on synthetic data."""
+    set_grads_to_none: bool = True
+    """Whether ``zero_grad`` frees gradients (torch >= 2.0 default) or zeroes them in place (older
+    loops, e.g. transformers' Trainer before 2023), which keeps them allocated through the forward."""
     config: dict[str, Any] = field(default_factory=dict)
     """The knobs a preset was built with (sizes, seq_len, optimizer), for reports and JSON."""
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..devices import Device
 from ..precision import PrecisionPolicy
@@ -63,7 +62,9 @@ class CudaKernels:
     def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
         if str(func) not in _GEMMS:
             return
-        handle = "autograd thread" if tracer.phase == "backward" else "main thread"
+        # The autograd engine runs backward ops on its own thread, with its own cuBLAS handle.
+        in_backward = torch._C._current_autograd_node() is not None
+        handle = "autograd thread" if in_backward else "main thread"
         if handle in self._handles or len(self._handles) >= self.device.cublas_handles:
             return
         self._handles.add(handle)
@@ -74,56 +75,75 @@ class CudaKernels:
 
 
 # -- 1 and 2: dropout and attention ----------------------------------------------------------------
-_DROPOUTS = {F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
+_DROPOUT_NAMES = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
 
-def _dropout_like_cuda(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    if not training or p == 0.0:
-        return x
-    return torch.native_dropout(x, p, True)[0]
+def _dropout_like_cuda(orig: Callable) -> Callable:
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    dropout.__wrapped__ = orig  # type: ignore[attr-defined]
+    return dropout
 
 
-def _sdpa_like_cuda(orig: Callable, args: tuple, kwargs: dict) -> Any:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    q, k, v = bound["query"], bound["key"], bound["value"]
-    mask = bound.get("attn_mask")
-    if q.dim() != 4 or q.shape[-1] > 256:
-        return orig(*args, **kwargs)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: CUDA kernels take it natively
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if torch.is_autocast_enabled("cpu"):
-        low = torch.get_autocast_dtype("cpu")
-        q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
-    if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)
-    try:
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, bool(bound.get("is_causal", False)), attn_mask=mask, scale=bound.get("scale")
-        )
-    except RuntimeError:  # a layout the CPU kernel refuses: keep the generic path
-        return orig(*args, **kwargs)
-    return out
+def _sdpa_like_cuda(orig: Callable) -> Callable:
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        def generic() -> torch.Tensor:
+            kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
+            return orig(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
 
-
-class _CudaKernelRouting(TorchFunctionMode):
-    """Routes dropout and attention to kernels whose saved tensors match CUDA's (NOTE, items 1-2)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            names = ("input", "p", "training")
-            bound = dict(zip(names, args))
-            bound.update(kwargs)
-            default_training = func is not torch.dropout
-            return _dropout_like_cuda(
-                bound["input"], float(bound.get("p", 0.5)), bool(bound.get("training", default_training))
+        if query.dim() != 4 or query.shape[-1] > 256:
+            return generic()
+        q, k, v, mask = query, key, value, attn_mask
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: CUDA kernels take it natively
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if torch.is_autocast_enabled("cpu"):
+            low = torch.get_autocast_dtype("cpu")
+            q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
+        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        try:
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, bool(is_causal), attn_mask=mask, scale=scale
             )
-        if func is F.scaled_dot_product_attention:
-            return _sdpa_like_cuda(func, args, kwargs)
-        return func(*args, **kwargs)
+        except RuntimeError:  # a layout the CPU kernel refuses: keep the generic path
+            return generic()
+        return out
+
+    scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def cuda_kernel_routing() -> Iterator[None]:
+    """Route dropout and attention to kernels whose saved tensors match CUDA's (NOTE, items 1-2).
+
+    The functions are swapped on ``torch.nn.functional`` for the duration, so that calls made at any
+    time inside, including the forward that activation checkpointing recomputes during backward,
+    take the CUDA-like path. Code that bound these functions by name at import time keeps the CPU
+    path (a limitation; all of torch.nn and transformers look them up on the module).
+    """
+    saved = {name: getattr(F, name) for name in (*_DROPOUT_NAMES, "scaled_dot_product_attention")}
+    try:
+        for name in _DROPOUT_NAMES:
+            setattr(F, name, _dropout_like_cuda(saved[name]))
+        F.scaled_dot_product_attention = _sdpa_like_cuda(saved["scaled_dot_product_attention"])
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(F, name, fn)
 
 
 # -- 3. autocast ---------------------------------------------------------------------------------
@@ -219,7 +239,7 @@ def cuda_emulation(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractC
         with contextlib.ExitStack() as stack:
             if policy.autocast_dtype is not None:
                 stack.enter_context(cuda_autocast_policy())
-            stack.enter_context(_CudaKernelRouting())
+            stack.enter_context(cuda_kernel_routing())
             yield
 
     return emulate

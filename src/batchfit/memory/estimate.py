@@ -237,6 +237,7 @@ def estimate(
         checkpoint_classes=classes,
         kernels=kernels,
         emulation=emulation,
+        foreach_optimizer=not dev.exact,
     )
     return estimate_from_trace(
         trace,

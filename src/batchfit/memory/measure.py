@@ -8,6 +8,10 @@ allocator holds at each instant; its maximum is the peak.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +22,39 @@ from ..checkpointing import apply_checkpointing, checkpoint_classes
 from ..precision import policy_for
 from ..workload import Workload, trainable_parameters
 from .steps import default_dtype, run_steps
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    # Kineto prints "profiler_start"/"profiler_stop" lines straight to file descriptor 2 from C++;
+    # the profiler is an internal measuring tool here, so those lines are noise to the user.
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def cpu_memory_profile() -> Iterator[Any]:
+    """``torch.profiler`` recording the CPU allocator's events, without its start/stop chatter."""
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
 
 
 def live_storage_bytes(tensors: Any) -> int:
@@ -68,6 +105,14 @@ def measure_cpu_peak(
         with default_dtype(policy.param_dtype):
             return workload.batch(batch_size)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_steps(model, optimizer, make_batch, workload.loss, steps=steps, autocast=policy.autocast("cpu"))
+    with cpu_memory_profile() as prof:
+        run_steps(
+            model,
+            optimizer,
+            make_batch,
+            workload.loss,
+            steps=steps,
+            autocast=policy.autocast("cpu"),
+            set_grads_to_none=workload.set_grads_to_none,
+        )
     return profile_peak(prof, start)

@@ -26,9 +26,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .measure import cpu_memory_profile
 from .trace import real_execution
 
 _SKIP_NAMESPACES = {"profiler"}
@@ -111,7 +112,7 @@ class CpuScratchProbe:
             return
         marks: list[tuple[Any, str]] = []
         with real_execution(), torch.no_grad():
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with cpu_memory_profile() as prof:
                 for i, (key, (func, specs, treespec)) in enumerate(todo):
                     args, kwargs = tree_unflatten([_real(s) for s in specs], treespec)
                     label = f"{_MARK}{i}"

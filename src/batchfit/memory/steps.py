@@ -71,6 +71,7 @@ def run_steps(
     steps: int = 2,
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     mark: Marker = _no_marker,
+    set_grads_to_none: bool = True,
 ) -> None:
     """Run ``steps`` full training steps: batch, forward + loss, backward, optimizer step, zero_grad.
 
@@ -81,6 +82,8 @@ def run_steps(
 
     Args:
         mark: called with ``(phase, step)`` as each phase starts (the tracer's timeline).
+        set_grads_to_none: ``zero_grad(set_to_none=...)``; False keeps gradient buffers allocated
+            between steps (torch < 2.0's default, and older training loops').
     """
     batch = loss = None
     for step in range(steps):
@@ -94,7 +97,7 @@ def run_steps(
         mark("optimizer", step)
         optimizer.step()
         mark("zero_grad", step)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_grads_to_none)
     del batch, loss
     mark("end", steps)
 

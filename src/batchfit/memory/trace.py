@@ -256,6 +256,7 @@ def trace_workload(
     checkpoint_classes: tuple[type, ...] = (),
     kernels: Any = None,
     emulation: Callable[[], contextlib.AbstractContextManager] | None = None,
+    foreach_optimizer: bool = False,
     steps: int = 2,
 ) -> MemoryTrace:
     """Trace ``steps`` training steps of ``workload`` at ``batch_size`` on fake CPU tensors.
@@ -267,6 +268,10 @@ def trace_workload(
         kernels: a kernel model (``CpuScratchProbe`` or ``CudaKernels``): its ``after_op`` adds
             scratch after each op, and ``finish(trace)`` fills in what it measured after the trace.
         emulation: factory of a context that makes CPU kernels behave like the target's (CUDA).
+        foreach_optimizer: resolve an optimizer's ``foreach=None`` ("pick for me") to True, as torch
+            does for CUDA parameters (``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``);
+            fake CPU parameters would otherwise get the per-parameter loop, which allocates far less
+            scratch than the multi-tensor kernels a GPU runs.
     """
     from ..checkpointing import apply_checkpointing
     from .compat import library_compat
@@ -279,6 +284,10 @@ def trace_workload(
     model.train()
     with fake_mode:
         optimizer = workload.optimizer(trainable_parameters(model))
+    if foreach_optimizer:
+        for group in optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
+                group["foreach"] = True
 
     def make_batch() -> Any:
         with default_dtype(param_dtype):
@@ -287,7 +296,16 @@ def trace_workload(
     tracer = Tracer(model, optimizer, kernels)
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
     with library_compat(), fake_mode, emulate, tracer:
-        run_steps(model, optimizer, make_batch, workload.loss, steps=steps, autocast=autocast, mark=tracer.mark)
+        run_steps(
+            model,
+            optimizer,
+            make_batch,
+            workload.loss,
+            steps=steps,
+            autocast=autocast,
+            mark=tracer.mark,
+            set_grads_to_none=workload.set_grads_to_none,
+        )
     if kernels is not None:
         kernels.finish(tracer.trace)
     return tracer.trace

@@ -1,0 +1,498 @@
+"""A model of PyTorch's CUDA caching allocator: the GPU memory a training step reserves, without a GPU.
+
+Whether a step fits is decided by ``torch.cuda.memory_reserved``, not by the sum of tensor sizes: requests
+are rounded to 512 bytes, small and large ones live in separate pools of 2 MiB and 20 MiB (or 2 MiB-rounded)
+segments, a block is split only when the leftover is worth keeping, and freed blocks stay cached. So a
+traced step is replayed through this model of ``DeviceCachingAllocator``
+(``c10/cuda/CUDACachingAllocator.cpp``); docstrings name the C++ function each method mirrors.
+
+Limitations:
+    * One device, one stream: ``record_stream`` and the events that delay reuse across streams are not
+      modelled, a freed block is reusable at once.
+    * No CUDA graph private pools, no per-process memory fraction (so no garbage collection threshold), no
+      free-memory callbacks. ``max_split_size_mb``, ``max_non_split_rounding_mb`` and
+      ``roundup_power2_divisions`` keep their defaults (unlimited, 20 MiB, off); with an unlimited
+      max_split_size ``release_available_cached_blocks`` frees nothing, so it is left out.
+    * ``capacity_bytes`` is what the allocator can get from the driver (the CUDA context and other
+      processes are the caller's to subtract); "free" in the out-of-memory message is capacity - reserved.
+    * New segments get increasing, never reused addresses; cudaMalloc may return a lower one. Addresses
+      only break ties between free blocks of equal size, so this may change which of two equal blocks is
+      reused, never the bytes counted for the allocation being made.
+    * Expandable segments map and unmap pages as ``ExpandableSegment`` does (2 MiB pages in the small pool,
+      20 MiB in the large one) and reserved memory is the mapped pages. A segment's address space is 1 1/8
+      of the capacity (C++: of the GPU's total memory). Driver granularity, mapping cost and IPC are not
+      modelled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left, insort
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..errors import ConfigError
+
+# kMinBlockSize (CUDACachingAllocator.cpp): requests are rounded up to a multiple of it (round_size).
+# PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions rounds larger requests further (not modelled).
+MIN_BLOCK_SIZE = 512
+# kSmallSize: requests up to this size use the small pool. No setting changes it.
+SMALL_SIZE = 1024 * 1024
+# kSmallBuffer: small pool segment size, and small pool page size with expandable_segments:True.
+SMALL_BUFFER = 2 * 1024 * 1024
+# kLargeBuffer (c10/core/AllocatorConfig.h): segment for requests in (1 MiB, 10 MiB), and large pool page
+# size with expandable_segments:True. No setting changes these uses.
+LARGE_BUFFER = 20 * 1024 * 1024
+# kMinLargeAlloc: from this size up, a request gets a segment of its own size. No setting changes it.
+MIN_LARGE_ALLOC = 10 * 1024 * 1024
+# kRoundLarge: such a segment is rounded up to a multiple of it (get_allocation_size). No setting.
+ROUND_LARGE = 2 * 1024 * 1024
+# ExpandableSegment reserves address space for totalGlobalMem + totalGlobalMem / 8, room to re-map pages
+# unmapped mid-segment at its end. Only used with expandable_segments:True; no setting changes the 8.
+EXPANDABLE_SPACE_EXTRA_DIV = 8
+# Address space of an expandable segment when capacity is unlimited (1 PiB, never exhausted); not in C++.
+UNLIMITED_ADDRESS_SPACE = 1 << 50
+
+# The remedy PyTorch appends to every out-of-memory message (DeviceCachingAllocator::malloc).
+_OOM_HINT = (
+    " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
+    "expandable_segments:True to avoid fragmentation.  See documentation for Memory Management "
+    " (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+def round_size(nbytes: int) -> int:
+    """Size of the block a request of ``nbytes`` occupies (``round_size``); 0 for an empty request.
+
+    PyTorch never asks the allocator for 0 bytes (``allocate`` returns a null pointer), so an empty
+    tensor occupies nothing rather than the 512 bytes ``round_size(0)`` would give in C++.
+    """
+    if nbytes < 0:
+        raise ConfigError(f"allocation size must be >= 0, got {nbytes}")
+    return -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+
+
+def allocation_size(nbytes: int) -> int:
+    """Segment size cudaMalloc is asked for when no cached block fits ``nbytes`` (``get_allocation_size``)."""
+    size = round_size(nbytes)
+    if size == 0:
+        return 0
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+def _format_size(nbytes: int) -> str:
+    """``format_size`` of the C++ allocator, so out-of-memory messages read exactly like PyTorch's."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes > scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """The numbers of ``torch.cuda.memory_stats`` a fit decision needs, frozen at one moment.
+
+    ``oom_at_event`` is the index of the first malloc/free call (replay event) that ran out of memory and
+    ``peak_event_index`` of the call during which reserved memory reached its peak (-1 while nothing was
+    ever reserved), so a report can point at the tensor responsible.
+    """
+
+    allocated_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    num_alloc_retries: int
+    num_ooms: int
+    capacity_bytes: int | None
+    oom_at_event: int | None = None
+    peak_event_index: int = -1
+
+
+class SegmentInfo(NamedTuple):
+    """One cudaMalloc'ed segment, or one contiguous mapped range of an expandable segment."""
+
+    size: int
+    allocated_bytes: int
+    small: bool
+    expandable: bool
+
+
+class _Pool:
+    """Cached free blocks of one pool, ordered like ``BlockComparatorSize``: by (size, address)."""
+
+    __slots__ = ("small", "free", "by_ptr", "unmapped")
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.free: list[tuple[int, int]] = []
+        self.by_ptr: dict[int, _Block] = {}
+        self.unmapped: dict[int, _Block] = {}  # expandable address space without pages, by address
+
+    def add(self, block: _Block) -> None:
+        insort(self.free, (block.size, block.ptr))
+        self.by_ptr[block.ptr] = block
+
+    def remove(self, block: _Block) -> None:
+        del self.free[bisect_left(self.free, (block.size, block.ptr))]
+        del self.by_ptr[block.ptr]
+
+
+class _Block:
+    """A ``Block``: a range of a segment, linked to its neighbours so frees can merge them."""
+
+    __slots__ = ("ptr", "size", "pool", "seg", "mapped", "allocated", "prev", "next")
+
+    def __init__(
+        self, ptr: int, size: int, pool: _Pool, seg: tuple[int, int] | None, mapped: bool = True
+    ) -> None:
+        self.ptr, self.size, self.pool, self.mapped = ptr, size, pool, mapped
+        self.seg = seg  # (base address, page size) of its expandable segment, None for a cudaMalloc one
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    def splice(self, before: _Block | None, after: _Block | None) -> None:
+        self.prev, self.next = before, after
+        if before is not None:
+            before.next = self
+        if after is not None:
+            after.prev = self
+
+
+def _try_merge(dst: _Block, src: _Block | None) -> None:
+    """``try_merge_blocks``: absorb a free neighbour in the same mapping state into ``dst``."""
+    if src is None or src.allocated or src.mapped != dst.mapped:
+        return
+    if src.mapped:
+        src.pool.remove(src)
+    else:
+        del src.pool.unmapped[src.ptr]
+    if dst.prev is src:
+        dst.ptr = src.ptr
+        dst.prev = src.prev
+        if dst.prev is not None:
+            dst.prev.next = dst
+    else:
+        dst.next = src.next
+        if dst.next is not None:
+            dst.next.prev = dst
+    dst.size += src.size
+
+
+class CachingAllocator:
+    """One device's caching allocator: ``malloc``/``free`` with the byte accounting of the real one.
+
+    Every ``malloc`` and ``free`` call is one event, numbered from 0, so that a replay can say which
+    event set the peak or ran out of memory.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, *, expandable_segments: bool = False) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ConfigError(f"capacity must be positive or None (unlimited), got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.expandable_segments = expandable_segments
+        self.allocated_bytes = self.reserved_bytes = 0
+        self.peak_allocated_bytes = self.peak_reserved_bytes = 0
+        self.num_alloc_retries = self.num_ooms = 0
+        self._small, self._large = _Pool(True), _Pool(False)
+        self._live: dict[int, _Block] = {}
+        self._handles = itertools.count(1)  # 0 is the null handle of an empty request
+        self._next_addr = SMALL_BUFFER  # any nonzero start: 0 is below every real address
+        self._events = 0
+        self._peak_event = -1
+        self._oom_at_event: int | None = None
+
+    def malloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` and return a handle for ``free`` (``DeviceCachingAllocator::malloc``).
+
+        A request of 0 bytes returns the null handle 0 and counts nothing, as PyTorch does.
+
+        Raises:
+            torch.OutOfMemoryError: no cached block fits and a new segment does not fit in the capacity,
+                even after releasing every fully free cached segment. Those segments stay released.
+        """
+        self._events += 1
+        size = round_size(nbytes)
+        if size == 0:
+            return 0
+        pool = self._small if size <= SMALL_SIZE else self._large
+        block = self._get_free_block(pool, size)
+        if block is None:
+            alloc_size = allocation_size(size)
+            block = self._alloc_block(pool, size, alloc_size)
+            if block is None:
+                self._release_cached_blocks()
+                self.num_alloc_retries += 1
+                block = self._alloc_block(pool, size, alloc_size)
+            if block is None:
+                self.num_ooms += 1
+                if self._oom_at_event is None:
+                    self._oom_at_event = self._events - 1
+                raise torch.OutOfMemoryError(self._oom_message(alloc_size))
+        remaining = block.size - size
+        # should_split: a large cudaMalloc block keeps a leftover of up to 1 MiB rather than splitting it.
+        fine = pool.small or self.expandable_segments
+        if remaining >= MIN_BLOCK_SIZE if fine else remaining > SMALL_SIZE:
+            head = _Block(block.ptr, size, pool, block.seg)
+            head.splice(block.prev, block)
+            block.ptr += size
+            block.size = remaining
+            pool.add(block)
+            block = head
+        block.allocated = True
+        self.allocated_bytes += block.size  # the whole block, leftover included, as memory_allocated counts
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+        handle = next(self._handles)
+        self._live[handle] = block
+        return handle
+
+    def free(self, handle: int) -> None:
+        """Return a block to its pool, merged with free neighbours (``free`` / ``free_block``).
+
+        Raises:
+            ConfigError: the handle is not live (never returned by ``malloc``, or already freed).
+        """
+        self._events += 1
+        if handle == 0:
+            return
+        block = self._live.pop(handle, None)
+        if block is None:
+            raise ConfigError(f"free of handle {handle}, which is not a live allocation")
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        _try_merge(block, block.prev)
+        _try_merge(block, block.next)
+        block.pool.add(block)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache``: release every fully free segment and every free expandable page."""
+        self._release_cached_blocks()
+
+    def reset_peak(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats``: peaks restart from the current values."""
+        self.peak_allocated_bytes = self.allocated_bytes
+        self.peak_reserved_bytes = self.reserved_bytes
+        self._peak_event = self._events - 1
+
+    def stats(self) -> AllocatorStats:
+        """A frozen copy of the counters, safe to keep while the allocator goes on."""
+        return AllocatorStats(
+            self.allocated_bytes,
+            self.reserved_bytes,
+            self.peak_allocated_bytes,
+            self.peak_reserved_bytes,
+            self.num_alloc_retries,
+            self.num_ooms,
+            self.capacity_bytes,
+            self._oom_at_event,
+            self._peak_event,
+        )
+
+    def block_size(self, handle: int) -> int:
+        """Bytes the live allocation ``handle`` counts in ``allocated_bytes`` (its whole block)."""
+        return 0 if handle == 0 else self._live[handle].size
+
+    def segments(self) -> list[SegmentInfo]:
+        """Segments by address, as ``torch.cuda.memory_snapshot`` lists them; sizes add up to reserved."""
+        blocks = [*self._live.values()]
+        for pool in (self._small, self._large):
+            blocks += [*pool.by_ptr.values(), *pool.unmapped.values()]
+        result = []
+        for head in sorted(blocks, key=lambda b: (b.pool.small, b.ptr)):
+            if not head.mapped or (head.prev is not None and head.prev.mapped):
+                continue
+            size = used = 0
+            block: _Block | None = head
+            while block is not None and block.mapped:
+                size += block.size
+                used += block.size if block.allocated else 0
+                block = block.next
+            result.append(SegmentInfo(size, used, head.pool.small, head.seg is not None))
+        return result
+
+    def _reserve(self, nbytes: int) -> None:
+        self.reserved_bytes += nbytes
+        if self.reserved_bytes > self.peak_reserved_bytes:
+            self.peak_reserved_bytes = self.reserved_bytes
+            self._peak_event = self._events - 1
+
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        """``get_free_block``: best fit: smallest free block of at least ``size``, lowest address first."""
+        free = pool.free
+        i = bisect_left(free, (size, 0))
+        if i == len(free):
+            return None
+        if self.expandable_segments:
+            # A free block followed by unmapped space can grow, so C++ ranks it by the size it can grow to
+            # and moves on while the next block is smaller in that sense.
+            def grown(j: int) -> int:
+                b = pool.by_ptr[free[j][1]]
+                return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+            while i + 1 < len(free) and grown(i + 1) < grown(i):
+                i += 1
+        return pool.by_ptr.pop(free.pop(i)[1])
+
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> _Block | None:
+        """``alloc_block``: a new cudaMalloc segment, or new pages of an expandable segment; None if full."""
+        if self.expandable_segments:
+            return self._try_allocate_expandable_block(pool, size)
+        if self.capacity_bytes is not None and self.reserved_bytes + alloc_size > self.capacity_bytes:
+            return None
+        self._reserve(alloc_size)
+        self._next_addr += alloc_size
+        return _Block(self._next_addr - alloc_size, alloc_size, pool, None)
+
+    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
+        """``try_allocate_expandable_block``: map pages at the lowest address with room for ``size``."""
+        block = self._find_expandable_block(pool, size)
+        if not block.mapped and not self._map_block(block, min(block.size, size)):
+            return None
+        while block.size < size:
+            unmapped = block.next
+            assert unmapped is not None and not unmapped.mapped
+            if not self._map_block(unmapped, min(size - block.size, unmapped.size)):
+                return None  # like C++, pages mapped by this call so far stay mapped
+            block = unmapped
+        pool.remove(block)
+        return block
+
+    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+        """``find_expandable_block``: lowest unmapped range (with the free block before it) with room."""
+        for ptr in sorted(pool.unmapped):
+            start = pool.unmapped[ptr]
+            if start.prev is not None and not start.prev.allocated:
+                start = start.prev
+            room, block = 0, start
+            while room < size and block is not None and not block.allocated:
+                room += block.size
+                block = block.next
+            if room >= size:
+                return start
+        page = SMALL_BUFFER if pool.small else LARGE_BUFFER
+        cap = self.capacity_bytes
+        space = UNLIMITED_ADDRESS_SPACE if cap is None else cap + cap // EXPANDABLE_SPACE_EXTRA_DIV
+        space = -(-space // page) * page
+        base, self._next_addr = self._next_addr, self._next_addr + space
+        block = _Block(base, space, pool, (base, page), mapped=False)
+        pool.unmapped[base] = block
+        return block
+
+    def _map_block(self, block: _Block, size: int) -> bool:
+        """``map_block``: back the first ``size`` bytes of an unmapped block with whole pages, all or none."""
+        base, page = block.seg  # type: ignore[misc]
+        first = (block.ptr - base) // page
+        nbytes = (-(-(block.ptr + size - base) // page) - first) * page
+        if self.capacity_bytes is not None and self.reserved_bytes + nbytes > self.capacity_bytes:
+            return False
+        pool = block.pool
+        del pool.unmapped[block.ptr]
+        block.mapped = True
+        if nbytes < block.size:
+            rest = _Block(block.ptr + nbytes, block.size - nbytes, pool, block.seg, mapped=False)
+            rest.splice(block, block.next)
+            pool.unmapped[rest.ptr] = rest
+            block.size = nbytes
+        _try_merge(block, block.prev)
+        _try_merge(block, block.next)
+        pool.add(block)
+        self._reserve(nbytes)
+        return True
+
+    def _release_cached_blocks(self) -> None:
+        """``release_cached_blocks``: cudaFree unsplit free segments, unmap whole free expandable pages."""
+        for pool in (self._large, self._small):
+            to_unmap = []
+            for _, ptr in list(pool.free):
+                block = pool.by_ptr[ptr]
+                if block.seg is not None:
+                    to_unmap.append(block)
+                elif block.prev is None and block.next is None:
+                    pool.remove(block)
+                    self.reserved_bytes -= block.size
+            for block in to_unmap:
+                self._unmap_block(block)
+                if not block.mapped and block.prev is None and block.next is None:
+                    del pool.unmapped[block.ptr]  # release_expandable_segment: nothing of it is mapped
+
+    def _unmap_block(self, block: _Block) -> None:
+        """``unmap_block``: unmap the pages lying wholly inside a free block; partial pages stay free."""
+        base, page = block.seg  # type: ignore[misc]
+        first = -(-(block.ptr - base) // page)
+        last = (block.ptr + block.size - base) // page
+        if first >= last:
+            return
+        pool = block.pool
+        pool.remove(block)
+        ptr, nbytes = base + first * page, (last - first) * page
+        before, after = ptr - block.ptr, block.size - (ptr - block.ptr) - nbytes
+        if before > 0:
+            head = _Block(block.ptr, before, pool, block.seg)
+            head.splice(block.prev, block)
+            pool.add(head)
+        if after > 0:
+            tail = _Block(ptr + nbytes, after, pool, block.seg)
+            tail.splice(block, block.next)
+            pool.add(tail)
+        block.ptr, block.size, block.mapped = ptr, nbytes, False
+        _try_merge(block, block.prev)
+        _try_merge(block, block.next)
+        pool.unmapped[block.ptr] = block
+        self.reserved_bytes -= nbytes
+
+    def _oom_message(self, alloc_size: int) -> str:
+        cap, reserved, allocated = self.capacity_bytes or 0, self.reserved_bytes, self.allocated_bytes
+        return (
+            f"CUDA out of memory. Tried to allocate {_format_size(alloc_size)}. GPU 0 has a total "
+            f"capacity of {_format_size(cap)} of which {_format_size(cap - reserved)} is free. "
+            f"Of the allocated memory {_format_size(allocated)} is allocated by PyTorch, and "
+            f"{_format_size(reserved - allocated)} is reserved by PyTorch but unallocated." + _OOM_HINT
+        )
+
+
+def replay(
+    events: Iterable[tuple[bool, int, int]],
+    *,
+    capacity_bytes: int | None = None,
+    expandable_segments: bool = False,
+) -> AllocatorStats:
+    """Run a memory trace through a fresh allocator and return its counters.
+
+    Args:
+        events: ``(is_alloc, key, nbytes)``; a free names the key of a live earlier allocation and its
+            ``nbytes`` is ignored. Event ``i`` is the allocator's event ``i``.
+        capacity_bytes: memory the allocator may reserve; None for unlimited.
+        expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+
+    Returns:
+        The counters after the last event, or at the first out-of-memory event, where the replay stops
+        (``oom_at_event``) instead of raising: what happens after an OOM depends on how the program
+        handles it, so a replay does not guess.
+
+    Raises:
+        ConfigError: a free of a key that is not live, or an allocation reusing a live key.
+    """
+    alloc = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
+    handles: dict[int, int] = {}
+    for is_alloc, key, nbytes in events:
+        if is_alloc:
+            if key in handles:
+                raise ConfigError(f"allocation key {key} is already live; free it before reusing the key")
+            try:
+                handles[key] = alloc.malloc(nbytes)
+            except torch.OutOfMemoryError:
+                break
+        else:
+            handle = handles.pop(key, None)
+            if handle is None:
+                raise ConfigError(f"free of key {key}, which has no live allocation")
+            alloc.free(handle)
+    return alloc.stats()

@@ -1,0 +1,156 @@
+"""A simulated GPU: real CPU tensors run, and a CUDA caching-allocator model says when they would OOM.
+
+Fitting, planning and OOM recovery must be testable without a GPU. ``SimulatedDevice`` tracks every
+storage real CPU ops allocate (the same ``StorageTracker`` the estimator uses), feeds each through
+the caching-allocator model with the GPU's capacity, and raises ``torch.OutOfMemoryError`` at the
+allocation where a GPU of that capacity would, after the allocator's free-cache-and-retry. Inside it,
+the CPU kernels are also made to allocate like CUDA's (dropout masks, attention, autocast's fp32
+ops, cuBLAS workspaces), so a real run inside the simulated device and the estimator's trace see the
+same storages.
+
+Example:
+    >>> import torch
+    >>> from batchfit import SimulatedDevice
+    >>> with SimulatedDevice("64MiB") as gpu:
+    ...     a = torch.empty(10 * 2**20)  # 40 MiB of fp32: fits
+    ...     try:
+    ...         b = torch.empty(10 * 2**20)  # 40 more do not
+    ...     except torch.OutOfMemoryError:
+    ...         print("OOM")
+    OOM
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .devices import Device, get_device
+from .memory.allocator import AllocatorStats, CachingAllocator
+from .memory.tracker import StorageTracker
+from .precision import PrecisionPolicy
+from .units import parse_bytes
+
+
+class SimulatedDevice:
+    """A GPU of a given capacity, enforced on real CPU tensors (a context manager).
+
+    Args:
+        capacity: bytes the caching allocator may reserve (``"8GiB"``, an int), or a catalog
+            ``Device``/name, whose capacity is its total memory minus its CUDA context.
+        expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        policy: the precision in use, so that CUDA's autocast casting is emulated (None: fp32).
+
+    Limitations:
+        CPU kernels' own scratch is not counted (it is CPU memory); CUDA's kernel workspaces are
+        modelled as in the estimator. Tensors that exist before entering are not on the device
+        unless passed to ``track``.
+    """
+
+    def __init__(
+        self,
+        capacity: int | str | Device,
+        *,
+        expandable_segments: bool = False,
+        policy: PrecisionPolicy | None = None,
+    ) -> None:
+        if isinstance(capacity, Device) or (isinstance(capacity, str) and not capacity[:1].isdigit()):
+            dev = get_device(capacity)  # type: ignore[arg-type]
+            if dev.usable_bytes is None:
+                raise ValueError("a simulated device needs a capacity; the cpu has none")
+            self.device = dev
+            self.capacity_bytes = dev.usable_bytes
+        else:
+            self.capacity_bytes = parse_bytes(capacity)  # type: ignore[arg-type]
+            self.device = _generic(self.capacity_bytes)
+        self.allocator = CachingAllocator(self.capacity_bytes, expandable_segments=expandable_segments)
+        self._policy = policy
+        self._handles: dict[int, int] = {}
+        self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
+        self._stack: contextlib.ExitStack | None = None
+        self._kernels: Any = None
+        self._next_scratch = 1 << 40
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _on_alloc(self, sid: int, nbytes: int) -> None:
+        self._handles[sid] = self.allocator.malloc(nbytes)
+
+    def _on_free(self, sid: int) -> None:
+        handle = self._handles.pop(sid, None)
+        if handle is not None:
+            self.allocator.free(handle)
+
+    def _after_op(self, func: Any, args: tuple, kwargs: dict, outputs: list, first_new: int) -> None:
+        if self._kernels is not None:
+            self._kernels.after_op(self, func, args, kwargs, [])
+
+    def add_scratch(self, nbytes: int, label: str, *, transient: bool) -> int:
+        """Allocate what a CUDA kernel allocates internally (the kernel model calls this)."""
+        handle = self.allocator.malloc(nbytes)
+        if transient:
+            self.allocator.free(handle)
+        else:
+            self._next_scratch += 1
+            self._handles[self._next_scratch] = handle
+        return self._next_scratch
+
+    def track(self, *objects: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Put existing tensors (a model's parameters and buffers, say) on the simulated device."""
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                tensors: Iterable[torch.Tensor] = [*obj.parameters(), *obj.buffers()]
+            elif isinstance(obj, torch.Tensor):
+                tensors = [obj]
+            else:
+                tensors = obj
+            for t in tensors:
+                self._tracker.register(t)
+
+    # -- statistics ---------------------------------------------------------------------------
+    def stats(self) -> AllocatorStats:
+        """Allocated/reserved bytes and peaks, retries and OOMs so far."""
+        return self.allocator.stats()
+
+    def empty_cache(self) -> None:
+        """Release cached segments (what ``torch.cuda.empty_cache`` does)."""
+        self.allocator.empty_cache()
+
+    def reset_peak(self) -> None:
+        self.allocator.reset_peak()
+
+    # -- context ------------------------------------------------------------------------------
+    def __enter__(self) -> SimulatedDevice:
+        from .memory.cuda import CudaKernels, cuda_emulation
+
+        self._kernels = CudaKernels(self.device)
+        stack = contextlib.ExitStack()
+        if self._policy is not None:
+            stack.enter_context(cuda_emulation(self._policy)())
+        else:
+            from .precision import policy_for
+
+            stack.enter_context(cuda_emulation(policy_for("fp32"))())
+        stack.enter_context(self._tracker)
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack = None
+
+
+def _generic(capacity_bytes: int) -> Device:
+    """A generic modern GPU whose allocator may reserve ``capacity_bytes`` (no context on top)."""
+    import dataclasses
+
+    from .devices import generic_device
+
+    template = generic_device("80GiB")
+    return dataclasses.replace(
+        template, name=f"simulated {capacity_bytes} B", total_bytes=capacity_bytes, context_bytes=0
+    )
