@@ -211,15 +211,23 @@ def estimate(
     from ..checkpointing import checkpoint_classes
     from ..devices import get_device
     from ..precision import policy_for
-    from .analytic import analytic_estimate
-    from .trace import trace_workload
 
     workload = _as_workload(workload)
     batch_size = check_batch_size(batch_size)
     dev = get_device(device)
     policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
     classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-    if dev.exact:
+    trace = trace_for_device(workload, batch_size, dev, policy, classes)
+    return finish_estimate(trace, workload, batch_size, dev, policy, classes, expandable_segments)
+
+
+def trace_for_device(
+    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+) -> MemoryTrace:
+    """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind."""
+    from .trace import trace_workload
+
+    if device.exact:
         from .probe import CpuScratchProbe
 
         kernels: Any = CpuScratchProbe()
@@ -227,9 +235,9 @@ def estimate(
     else:
         from .cuda import CudaKernels, cuda_emulation
 
-        kernels = CudaKernels(dev)
+        kernels = CudaKernels(device)
         emulation = cuda_emulation(policy)
-    trace = trace_workload(
+    return trace_workload(
         workload,
         batch_size,
         param_dtype=policy.param_dtype,
@@ -237,13 +245,27 @@ def estimate(
         checkpoint_classes=classes,
         kernels=kernels,
         emulation=emulation,
-        foreach_optimizer=not dev.exact,
+        foreach_optimizer=not device.exact,
     )
+
+
+def finish_estimate(
+    trace: MemoryTrace,
+    workload: Any,
+    batch_size: int,
+    device: Device,
+    policy: Any,
+    classes: tuple[type, ...],
+    expandable_segments: bool = False,
+) -> Estimate:
+    """The ``Estimate`` of a trace (shared by ``estimate`` and the fitter's predicted traces)."""
+    from .analytic import analytic_estimate
+
     return estimate_from_trace(
         trace,
         workload=workload.name,
         batch_size=batch_size,
-        device=dev,
+        device=device,
         precision=policy.precision.value,
         checkpointing=bool(classes),
         expandable_segments=expandable_segments,

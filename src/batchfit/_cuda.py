@@ -1,0 +1,63 @@
+"""The only code that needs a real CUDA GPU: what it is, and whether a step of a given size fits.
+
+Kept small and behind two functions so tests can replace ``torch.cuda`` with a fake; nothing else in
+batchfit touches the GPU for fitting.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from .devices import Device, catalog, generic_device
+from .errors import ConfigError
+
+
+def cuda_device(cuda: Any = torch.cuda) -> Device:
+    """The current GPU as a ``Device``: the catalog entry whose name torch reports, else a generic one."""
+    if not cuda.is_available():
+        raise ConfigError("no CUDA GPU is visible; use a catalog name (--device A100-40GB) or a capacity (24GiB)")
+    props = cuda.get_device_properties(cuda.current_device())
+    name = str(props.name).lower()
+    for dev in catalog():
+        if any(alias.lower() == name for alias in (dev.name, *dev.aliases)):
+            return dev.with_overrides(total_bytes=int(props.total_memory))
+    return generic_device(f"{int(props.total_memory)}B")
+
+
+def cuda_step_fits(
+    workload: Any, batch_size: int, policy: Any, classes: tuple[type, ...], cuda: Any = torch.cuda
+) -> bool:
+    """Run two real steps at ``batch_size`` on the GPU; False on OOM, leaving the process usable.
+
+    Everything the attempt allocated is dropped and the cache emptied before returning, whatever
+    happened, so the next attempt starts from the same state.
+    """
+    from .checkpointing import apply_checkpointing
+    from .memory.steps import default_dtype, run_steps
+    from .workload import trainable_parameters
+
+    model = optimizer = None
+    try:
+        with default_dtype(policy.param_dtype):
+            model = workload.build_model().to("cuda")
+        apply_checkpointing(model, classes)
+        optimizer = workload.optimizer(trainable_parameters(model))
+
+        def make_batch() -> Any:
+            from .batching import map_tensors
+
+            with default_dtype(policy.param_dtype):
+                return map_tensors(workload.batch(batch_size), lambda t: t.to("cuda", non_blocking=True))
+
+        run_steps(model, optimizer, make_batch, workload.loss, autocast=policy.autocast("cuda"))
+        cuda.synchronize()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        del model, optimizer
+        gc.collect()
+        cuda.empty_cache()

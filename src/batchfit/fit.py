@@ -1,0 +1,333 @@
+"""The largest micro-batch that fits: two traces draw the line, the allocator model searches it,
+two more traces verify. No crash, and on a modelled device the answer is exact:
+``estimate(b).device_total_bytes <= capacity < estimate(b + 1).device_total_bytes``.
+
+Other tools find a batch size by crashing: doubling then bisecting (about ``2 log2 N`` real steps) or
+shrinking by 10% after every OOM. Here memory is known as a function of the batch size
+(``memory/scaling.py``), so the search costs replays of the allocator model, not steps.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .checkpointing import checkpoint_classes
+from .devices import Device, get_device
+from .errors import ConfigError, DoesNotFitError
+from .memory.estimate import Estimate, _as_workload, finish_estimate, trace_for_device
+from .memory.scaling import TraceLine
+from .memory.trace import MemoryTrace
+from .precision import PrecisionPolicy, policy_for
+from .simulated import SimulatedDevice
+from .units import format_bytes
+
+_MAX_BATCH = 1 << 40
+
+
+@dataclass(frozen=True)
+class FitAttempt:
+    """One batch size the fitter looked at."""
+
+    batch_size: int
+    device_total_bytes: int | None
+    fits: bool
+    kind: str
+    """``"trace"`` (a traced step), ``"real"`` (a real step on the device) or ``"predicted"``."""
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The largest micro-batch that fits, and how it was found."""
+
+    max_batch_size: int
+    trials: int
+    """Traced or real steps run (predictions from the line are not counted: they run no step)."""
+    estimate: Estimate
+    """The estimate at ``max_batch_size``."""
+    device: str
+    capacity_bytes: int
+    """The budget compared against ``device_total_bytes`` (total memory, less the margin)."""
+    precision: str
+    checkpointing: bool
+    attempts: tuple[FitAttempt, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (the estimate as a dict, attempts as a list)."""
+        return {
+            "max_batch_size": self.max_batch_size,
+            "trials": self.trials,
+            "device": self.device,
+            "capacity_bytes": self.capacity_bytes,
+            "precision": self.precision,
+            "checkpointing": self.checkpointing,
+            "estimate": self.estimate.to_dict(),
+            "attempts": [a.__dict__ for a in self.attempts],
+        }
+
+
+class _Search:
+    """Search state of one ``fit`` call (kept local: nothing is carried between calls)."""
+
+    def __init__(
+        self,
+        workload: Any,
+        device: Device,
+        policy: PrecisionPolicy,
+        classes: tuple[type, ...],
+        budget: int,
+        *,
+        expandable_segments: bool = False,
+        reserved_only: bool = False,
+        shard_over: int = 1,
+    ) -> None:
+        self.workload, self.device, self.policy, self.classes = workload, device, policy, classes
+        self.budget = budget
+        self.expandable_segments = expandable_segments
+        self.reserved_only = reserved_only  # a simulated device limits what the allocator reserves
+        self.shard_over = shard_over
+        self.traces: dict[int, MemoryTrace] = {}
+        self.estimates: dict[int, Estimate] = {}
+        self.attempts: list[FitAttempt] = []
+        self.trials = 0
+        self.line: TraceLine | None = None
+
+    def traced(self, b: int) -> Estimate:
+        if b not in self.estimates:
+            trace = trace_for_device(self.workload, b, self.device, self.policy, self.classes)
+            self.traces[b] = trace
+            self.estimates[b] = self._estimate(trace, b)
+            self.trials += 1
+            est = self.estimates[b]
+            self.attempts.append(FitAttempt(b, est.device_total_bytes, self.fits(est), "trace"))
+        return self.estimates[b]
+
+    def _estimate(self, trace: MemoryTrace, b: int) -> Estimate:
+        if self.shard_over > 1:
+            from .memory.sharding import shard_trace
+
+            trace = shard_trace(trace, self.shard_over)
+        return finish_estimate(
+            trace, self.workload, b, self.device, self.policy, self.classes, self.expandable_segments
+        )
+
+    def fits(self, est: Estimate) -> bool:
+        used = est.peak_reserved_bytes if self.reserved_only else est.device_total_bytes
+        return used <= self.budget
+
+    def predicted_fits(self, line: TraceLine, b: int) -> bool:
+        return self.fits(self._estimate(line.at(b), b))
+
+
+def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
+    """Exponential then binary search on predicted traces: the largest b predicted to fit."""
+    lo, hi = known_fit, known_fit * 2
+    while hi < _MAX_BATCH and search.predicted_fits(line, hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if search.predicted_fits(line, mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int) -> DoesNotFitError:
+    return DoesNotFitError(
+        f"{workload.name} does not fit on {device.name} even at batch size 1 with precision {est.precision}"
+        f"{' and checkpointing' if est.checkpointing else ''}: it needs {format_bytes(est.device_total_bytes)} "
+        f"of {format_bytes(budget)}; try --precision bf16, --checkpointing, more GPUs (batchfit plan --gpus N) "
+        "or a larger GPU"
+    )
+
+
+def _search_max(search: _Search, verify: Callable[[int], bool]) -> int:
+    """The search proper; ``verify(b)`` answers "does b fit?" by the most trusted means available."""
+    # The line is drawn through batch sizes 2 and 3, not 1 and 2: at batch size 1 broadcasting often
+    # skips reductions in backward (an expanded buffer needs no sum), so its ops differ.
+    if not search.fits(search.traced(2)):
+        first = search.traced(1)
+        if not search.fits(first):
+            raise _does_not_fit(search.workload, search.device, first, search.budget)
+        return 1
+    if not search.fits(search.traced(3)):
+        return 2
+    try:
+        line: TraceLine | None = TraceLine(search.traces[2], 2, search.traces[3], 3)
+    except ValueError:
+        line = None
+    search.line = line
+    if line is not None:
+        guess = _largest_predicted(search, line, 3)
+    else:  # the step's code depends on the batch size: double, then bisect, on traces
+        lo, hi = 3, 6
+        while search.fits(search.traced(hi)):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
+        guess = lo
+    # Verify around the guess and step by one where the prediction was off.
+    b = guess
+    while b > 1 and not verify(b):
+        b -= 1
+    while verify(b + 1):
+        b += 1
+    return b
+
+
+def fit(
+    workload: Any,
+    device: str | Device | SimulatedDevice,
+    *,
+    precision: str = "fp32",
+    checkpointing: Any = None,
+    margin: float = 0.0,
+    expandable_segments: bool = False,
+    shard_over: int = 1,
+    verify: bool = True,
+) -> FitResult:
+    """The largest micro-batch of ``workload`` that fits on ``device``.
+
+    Args:
+        workload: a ``Workload`` or a preset name.
+        device: a catalog GPU or capacity (traced, exact against the allocator model), a
+            ``SimulatedDevice`` (traced search, verified with real steps inside it), or ``"cuda"``
+            (traced search, verified with real steps on the GPU).
+        precision: ``fp32``, ``bf16``, ``fp16`` or ``bf16-true``.
+        checkpointing: None, ``"blocks"`` or a list of module classes.
+        margin: fraction of the device's memory to leave free (0.1 keeps 10% in reserve).
+        expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        shard_over: fit one rank of FSDP over this many GPUs (``memory/sharding.py``).
+        verify: trace (or run) the answer and its successor to confirm it; False trusts the line
+            drawn through two traces (two trials instead of four; used for a plan's alternatives).
+
+    Raises:
+        ConfigError: a device without a capacity (the cpu), or a margin outside [0, 1).
+        DoesNotFitError: not even one item fits; the message names the remedies.
+
+    Example:
+        >>> import batchfit
+        >>> r = batchfit.fit("mlp", "2GiB")
+        >>> r.estimate.device_total_bytes <= r.capacity_bytes
+        True
+    """
+    if not 0.0 <= margin < 1.0:
+        raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
+    workload = _as_workload(workload)
+    verify_real: Callable[[int], bool] | None = None
+    if isinstance(device, SimulatedDevice):
+        sim = device
+        dev = sim.device
+        budget = int(sim.capacity_bytes * (1 - margin))
+    elif isinstance(device, str) and device.strip().lower() == "cuda":
+        from ._cuda import cuda_device
+
+        dev = cuda_device()
+        budget = int(dev.total_bytes * (1 - margin))  # type: ignore[operator]
+    else:
+        dev = get_device(device)
+        if dev.total_bytes is None:
+            raise ConfigError(
+                f"{dev.name} has no memory capacity to fit against; give a GPU (--device A100-40GB) or a capacity "
+                "(--device 24GiB)"
+            )
+        budget = int(dev.total_bytes * (1 - margin))
+    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
+    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    search = _Search(
+        workload,
+        dev,
+        policy,
+        classes,
+        budget,
+        expandable_segments=expandable_segments,
+        reserved_only=isinstance(device, SimulatedDevice),
+        shard_over=shard_over,
+    )
+
+    if isinstance(device, SimulatedDevice):
+
+        def verify_real(b: int) -> bool:
+            search.trials += 1
+            ok = _simulated_step_fits(workload, b, budget, policy, classes)
+            search.attempts.append(FitAttempt(b, None, ok, "real"))
+            return ok
+
+    elif isinstance(device, str) and device.strip().lower() == "cuda":
+        from ._cuda import cuda_step_fits
+
+        def verify_real(b: int) -> bool:
+            search.trials += 1
+            ok = cuda_step_fits(workload, b, policy, classes)
+            search.attempts.append(FitAttempt(b, None, ok, "real"))
+            return ok
+
+    def verify_traced(b: int) -> bool:
+        return search.fits(search.traced(b))
+
+    def trust_line(b: int) -> bool:
+        if search.line is None or b in search.estimates:
+            return verify_traced(b)
+        return search.predicted_fits(search.line, b)
+
+    best = _search_max(search, verify_real or (verify_traced if verify else trust_line))
+    est = search.estimates.get(best)
+    if est is None:  # verified by real steps: report the line's prediction rather than trace again
+        est = search._estimate(search.line.at(best), best) if search.line is not None else search.traced(best)
+    return FitResult(
+        max_batch_size=best,
+        trials=search.trials,
+        estimate=est,
+        device=dev.name,
+        capacity_bytes=budget,
+        precision=policy.precision.value,
+        checkpointing=bool(classes),
+        attempts=tuple(search.attempts),
+    )
+
+
+def _simulated_step_fits(
+    workload: Any, batch_size: int, capacity: int, policy: PrecisionPolicy, classes: tuple[type, ...]
+) -> bool:
+    """Run two real steps at ``batch_size`` inside a fresh simulated device; False on its OOM."""
+    from .checkpointing import apply_checkpointing
+    from .memory.steps import default_dtype, run_steps
+    from .workload import trainable_parameters
+
+    with default_dtype(policy.param_dtype):
+        model = workload.build_model()
+    apply_checkpointing(model, classes)
+    model.train()
+    optimizer = workload.optimizer(trainable_parameters(model))
+    for group in optimizer.param_groups:  # what torch picks for CUDA parameters, as the tracer does
+        if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
+            group["foreach"] = True
+    sim = SimulatedDevice(capacity, policy=policy)
+
+    def make_batch() -> Any:
+        with default_dtype(policy.param_dtype):
+            return workload.batch(batch_size)
+
+    try:
+        with sim:
+            sim.track(model)
+            run_steps(
+                model,
+                optimizer,
+                make_batch,
+                workload.loss,
+                autocast=policy.autocast("cpu"),
+                set_grads_to_none=workload.set_grads_to_none,
+            )
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        del model, optimizer
+        gc.collect()
