@@ -49,6 +49,12 @@ def _console() -> Any:
     return Console()
 
 
+def _console_err() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
 def _parse_value(text: str) -> Any:
     for cast in (int, float):
         try:
@@ -165,6 +171,129 @@ def presets(as_json: JsonOpt = False) -> None:
     for name, text in rows:
         table.add_row(name, text)
     _console().print(table)
+
+
+@app.command(name="fit")
+def fit_command(
+    preset: PresetArg,
+    device: DeviceOpt = "A100-40GB",
+    precision: PrecisionOpt = "fp32",
+    seq_len: SeqLenOpt = None,
+    optimizer: OptimizerOpt = None,
+    checkpointing: CheckpointingOpt = False,
+    margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
+    context_mib: ContextOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
+    from .fit import fit
+
+    result = fit(
+        _workload(preset, seq_len, optimizer, set_),
+        _device(device, context_mib),
+        precision=precision,
+        checkpointing="blocks" if checkpointing else None,
+        margin=margin,
+    )
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    from .report.tables import fit_table
+
+    _console().print(fit_table(result))
+
+
+@app.command(name="plan")
+def plan_command(
+    preset: PresetArg,
+    global_batch_size: Annotated[int, typer.Option("--global-batch-size", "-g", help="Items per optimizer step.")],
+    device: DeviceOpt = "A100-40GB",
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs (data-parallel ranks).")] = 1,
+    precision: Annotated[
+        str | None, typer.Option("--precision", "-p", help="Fix the precision (default: walk the remedies ladder).")
+    ] = None,
+    seq_len: SeqLenOpt = None,
+    optimizer: OptimizerOpt = None,
+    checkpointing: Annotated[
+        bool | None,
+        typer.Option("--checkpointing/--no-checkpointing", help="Fix checkpointing (default: as the ladder needs)."),
+    ] = None,
+    margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
+    context_mib: ContextOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
+    from .plan import plan
+
+    result = plan(
+        _workload(preset, seq_len, optimizer, set_),
+        global_batch_size,
+        device=_device(device, context_mib),
+        gpus=gpus,
+        precision=precision,
+        checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
+        margin=margin,
+    )
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    from .report.tables import plan_table
+
+    _console().print(plan_table(result))
+
+
+@app.command(name="sweep")
+def sweep_command(
+    preset: PresetArg,
+    device: Annotated[str, typer.Option("--device", "-d", help="cpu, or cuda when a GPU is present.")] = "cpu",
+    batch_sizes: Annotated[
+        str | None, typer.Option("--batch-sizes", help="Comma-separated sizes (default 1,2,4,...,64).")
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Timed steps per size (median reported).")] = 5,
+    plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG of throughput and memory.")] = None,
+    seq_len: SeqLenOpt = None,
+    optimizer: OptimizerOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure real steps: throughput and peak memory by batch size, and the knee of the curve."""
+    from .sweep import sweep
+
+    sizes = None
+    if batch_sizes:
+        try:
+            sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--batch-sizes takes whole numbers separated by commas, got {batch_sizes!r}") from None
+    wl = _workload(preset, seq_len, optimizer, set_)
+    if as_json or not sys.stderr.isatty():
+        result = sweep(wl, device=device, batch_sizes=sizes, steps=steps)
+    else:
+        from rich.progress import Progress
+
+        with Progress(console=_console_err(), transient=True) as bar:
+            task = bar.add_task("sweeping", total=None)
+
+            def progress(i: int, total: int, b: int) -> None:
+                bar.update(task, total=total, completed=i, description=f"batch {b}")
+
+            result = sweep(wl, device=device, batch_sizes=sizes, steps=steps, progress=progress)
+    out = {}
+    if plot:
+        from .report.plots import plot_sweep
+
+        out["plot"] = str(plot_sweep(result, plot))
+    if as_json:
+        _emit_json({**result.to_dict(), **out})
+        return
+    from .report.tables import sweep_table
+
+    console = _console()
+    console.print(sweep_table(result))
+    if plot:
+        console.print(f"plot written to {out['plot']}")
 
 
 @app.command()

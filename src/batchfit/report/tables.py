@@ -95,3 +95,92 @@ def devices_table(devices: list[Any]) -> Table:
             f"{format_bytes(d.cublas_workspace_bytes)} x {d.cublas_handles}",
         )
     return table
+
+
+def fit_table(result: Any) -> Group:
+    """The largest micro-batch, the attempts that found it, and the estimate there."""
+    head = Table(show_header=False, title=f"fit: {result.estimate.workload} on {result.device}", title_justify="left")
+    head.add_column(style="bold")
+    head.add_column(justify="right")
+    head.add_row("largest micro-batch", str(result.max_batch_size))
+    head.add_row("precision", result.precision + (" + checkpointing" if result.checkpointing else ""))
+    head.add_row("budget", format_bytes(result.capacity_bytes))
+    head.add_row("device total at the maximum", format_bytes(result.estimate.device_total_bytes))
+    head.add_row("steps traced or run", str(result.trials))
+    attempts = Table(title="attempts", title_justify="left")
+    for col in ("batch", "kind", "device total", "fits"):
+        attempts.add_column(col, justify="right")
+    for a in result.attempts:
+        total = "-" if a.device_total_bytes is None else format_bytes(a.device_total_bytes)
+        attempts.add_row(str(a.batch_size), a.kind, total, Text("yes", "green") if a.fits else Text("no", "red"))
+    return Group(head, attempts)
+
+
+def plan_table(plan: Any) -> Group:
+    """The plan (micro x accumulation x GPUs), its estimate, the alternatives and the warnings."""
+    from ..plan import describe_split
+
+    head = Table(
+        show_header=False,
+        title=f"plan: global batch {plan.global_batch_size} on {plan.gpus} x {plan.device}",
+        title_justify="left",
+    )
+    head.add_column(style="bold")
+    head.add_column()
+    even = plan.micro_batch_size * plan.accumulation_steps * plan.gpus == plan.global_batch_size
+    head.add_row(
+        "micro-batch x accumulation x GPUs",
+        f"{plan.micro_batch_size} x {plan.accumulation_steps} x {plan.gpus}" + ("" if even else " (uneven splits)"),
+    )
+    head.add_row("splits per optimizer step", describe_split(plan.splits))
+    head.add_row("precision", plan.precision)
+    head.add_row("activation checkpointing", "yes" if plan.checkpointing else "no")
+    head.add_row("sharding (FSDP)", "yes" if plan.sharded else "no")
+    head.add_row("remedies applied", ", ".join(plan.remedies) or "none needed")
+    head.add_row("largest micro-batch that fits", str(plan.max_micro_batch_size))
+    head.add_row("memory per GPU", format_bytes(plan.estimate.device_total_bytes))
+    head.add_row("headroom per GPU", format_bytes(plan.headroom_bytes))
+    head.add_row("items per step", str(plan.items_per_step))
+    if plan.tokens_per_step:
+        head.add_row("tokens per step", f"{plan.tokens_per_step:,}")
+    parts: list[Any] = [head]
+    if plan.alternatives:
+        alt = Table(title="alternatives", title_justify="left")
+        for col in ("precision", "checkpointing", "sharded", "max micro", "micro x accum", "memory/GPU"):
+            alt.add_column(col, justify="right")
+        for o in plan.alternatives:
+            total = "-" if o.device_total_bytes is None else format_bytes(o.device_total_bytes)
+            alt.add_row(
+                o.precision,
+                "yes" if o.checkpointing else "no",
+                "yes" if o.sharded else "no",
+                str(o.max_micro_batch_size),
+                f"{o.micro_batch_size} x {o.accumulation_steps}",
+                total,
+            )
+        parts.append(alt)
+    for w in plan.warnings:
+        parts.append(Text(f"warning: {w}", style="yellow"))
+    return Group(*parts)
+
+
+def sweep_table(result: Any) -> Table:
+    """Measured throughput by batch size, the knee and the best marked."""
+    table = Table(title=f"sweep: {result.workload} on {result.device} (median of {result.steps} steps)")
+    for col in ("batch", "s/step", "items/s", "tokens/s", "peak memory", ""):
+        table.add_column(col, justify="right")
+    for p in result.points:
+        mark = []
+        if p.batch_size == result.knee:
+            mark.append("knee")
+        if p.batch_size == result.best:
+            mark.append("best")
+        table.add_row(
+            str(p.batch_size),
+            f"{p.seconds_per_step:.4f}",
+            f"{p.items_per_second:,.1f}",
+            "-" if p.tokens_per_second is None else f"{p.tokens_per_second:,.0f}",
+            "-" if p.peak_bytes is None else format_bytes(p.peak_bytes),
+            ", ".join(mark),
+        )
+    return table
