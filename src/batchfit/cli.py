@@ -298,16 +298,25 @@ def sweep_command(
 
 @app.command()
 def demo() -> None:
-    """A tour on a built-in default: estimate a GPT-2-small step on a 16 GB GPU."""
+    """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
     from .memory.estimate import estimate as run_estimate
+    from .plan import plan
     from .presets import get
-    from .report.tables import estimate_table
+    from .report.tables import estimate_table, plan_table
 
     console = _console()
     wl = get("gpt", seq_len=1024)
-    console.rule("[bold]1. estimate: GPT-2 small (124M), seq 1024, batch 8, AdamW fp32 on a V100-16GB")
+    console.rule("[bold]1. estimate: GPT-2 small (124M), seq 1024, batch 8, AdamW fp32, on a V100-16GB")
     est = run_estimate(wl, 8, device="V100-16GB", precision="fp32")
     console.print(estimate_table(est))
+    console.rule("[bold]2. plan: a global batch of 512 sequences on one V100-16GB")
+    console.print(plan_table(plan(wl, 512, device="V100-16GB", gpus=1, precision="fp32")))
+    try:
+        from .train_cli import demo_run
+    except ImportError:  # the training part is optional in a minimal install
+        return
+    console.rule("[bold]3. train: exact accumulation on a simulated small GPU (CPU)")
+    demo_run(console)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -328,10 +328,25 @@ def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list) -> DoesNotFitErr
 
 
 def describe_split(splits: list[list[int]]) -> str:
-    """``"2 ranks x [8, 8, 8, 8]"``-style summary for tables."""
-    uniq = {tuple(s) for s in splits}
-    if len(uniq) == 1:
-        return f"{len(splits)} x {list(splits[0])}"
-    return "; ".join(f"rank {i}: {s}" for i, s in enumerate(splits))
+    """``"42 x 11 + 5 x 10"`` per rank, ranks with the same split written once (``"2 ranks: ..."``)."""
 
+    def runs(split: list[int]) -> str:
+        parts, i = [], 0
+        while i < len(split):
+            j = i
+            while j < len(split) and split[j] == split[i]:
+                j += 1
+            parts.append(f"{j - i} x {split[i]}")
+            i = j
+        return " + ".join(parts) if parts else "nothing"
 
+    groups: dict[str, list[int]] = {}
+    for rank, split in enumerate(splits):
+        groups.setdefault(runs(split), []).append(rank)
+    if len(groups) == 1:
+        (text,) = groups
+        return text if len(splits) == 1 else f"each of {len(splits)} ranks: {text}"
+    return "; ".join(
+        f"ranks {ranks[0]}-{ranks[-1]}: {text}" if len(ranks) > 1 else f"rank {ranks[0]}: {text}"
+        for text, ranks in groups.items()
+    )
