@@ -10,8 +10,11 @@ from __future__ import annotations
 from . import devices, presets
 from .devices import Device, get_device
 from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, UnknownNameError
+from .fit import FitResult, fit
 from .memory.estimate import Estimate, estimate
+from .plan import Plan, plan
 from .simulated import SimulatedDevice
+from .sweep import SweepResult, sweep
 from .workload import Workload
 
 __version__ = "0.1.0"
@@ -23,12 +26,18 @@ __all__ = [
     "Device",
     "DoesNotFitError",
     "Estimate",
+    "FitResult",
+    "Plan",
     "SimulatedDevice",
+    "SweepResult",
     "UnknownNameError",
     "Workload",
     "__version__",
     "devices",
     "estimate",
+    "fit",
     "get_device",
+    "plan",
     "presets",
+    "sweep",
 ]

@@ -1,0 +1,169 @@
+"""The estimator through its public API: what each category holds, on models small enough to count by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import batchfit
+from batchfit import ConfigError, Workload, presets
+
+
+class Frozen(nn.Module):
+    """A frozen base and a small trainable head: LoRA-style fine-tuning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 8)
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.base(x)))
+
+
+def _frozen_workload(optimizer=lambda ps: torch.optim.AdamW(ps)) -> Workload:
+    return Workload(
+        model=Frozen,
+        batch=lambda b: (torch.randn(b, 64), torch.randint(0, 8, (b,))),
+        loss=lambda m, batch: nn.functional.cross_entropy(m(batch[0]), batch[1]),
+        optimizer=optimizer,
+        name="frozen",
+    )
+
+
+def test_frozen_parameters_get_no_gradients_or_optimizer_state() -> None:
+    est = batchfit.estimate(_frozen_workload(), 1, device="cpu")
+    assert est.peak_phase == "optimizer"
+    head_bytes = (64 * 8 + 8) * 4
+    all_bytes = head_bytes + (64 * 64 + 64) * 4
+    assert est.breakdown["parameters"] == all_bytes
+    # AdamW keeps exp_avg and exp_avg_sq per trainable tensor, plus a float32 step counter each.
+    assert est.breakdown["optimizer_states"] == 2 * head_bytes + 2 * 4
+    assert est.breakdown["gradients"] == head_bytes
+
+
+def test_sgd_without_momentum_keeps_no_state() -> None:
+    est = batchfit.estimate(_frozen_workload(lambda ps: torch.optim.SGD(ps, lr=0.1)), 4, device="cpu")
+    assert est.breakdown["optimizer_states"] == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "A100-40GB"])
+def test_breakdown_and_modules_sum_to_the_peak(device: str) -> None:
+    wl = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
+    est = batchfit.estimate(wl, 4, device=device)
+    assert sum(est.breakdown.values()) == est.peak_allocated_bytes
+    assert sum(est.per_module.values()) == est.peak_allocated_bytes
+    assert set(est.breakdown) == {
+        "parameters",
+        "gradients",
+        "optimizer_states",
+        "activations",
+        "batch_data",
+        "temporaries",
+    }
+
+
+def test_tied_weights_are_counted_once() -> None:
+    wl = presets.get("gpt", n_layer=1, n_embd=32, n_head=2, vocab_size=128, seq_len=16)
+    model = wl.build_model()
+    distinct = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    est = batchfit.estimate(wl, 2, device="cpu")
+    assert est.breakdown["parameters"] == sum(distinct.values()) + buffers
+
+
+def test_cuda_device_counts_rounded_blocks_reserved_segments_and_context() -> None:
+    wl = presets.get("mlp")
+    est = batchfit.estimate(wl, 16, device="A100-40GB")
+    dev = batchfit.get_device("A100-40GB")
+    assert est.peak_allocated_bytes % 512 == 0
+    assert est.peak_reserved_bytes >= est.peak_allocated_bytes
+    assert est.peak_reserved_bytes % (2 * 2**20) == 0  # every segment is a multiple of 2 MiB
+    assert est.device_total_bytes == est.peak_reserved_bytes + dev.context_bytes
+    assert est.workspace_bytes == 2 * dev.cublas_workspace_bytes
+    assert est.fits and est.headroom_bytes == dev.total_bytes - est.device_total_bytes
+
+
+def test_activations_grow_linearly_and_parameters_do_not() -> None:
+    wl = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
+    a, b, c = (batchfit.estimate(wl, n, device="cpu") for n in (8, 16, 24))
+    assert a.peak_phase == b.peak_phase == c.peak_phase == "backward"
+    assert a.breakdown["parameters"] == b.breakdown["parameters"] == c.breakdown["parameters"]
+    # Affine, not proportional: the position ids (arange(T), int64) are saved whatever the batch.
+    step = b.breakdown["activations"] - a.breakdown["activations"]
+    assert c.breakdown["activations"] - b.breakdown["activations"] == step
+    assert a.breakdown["activations"] - step == 32 * 8
+
+
+def test_a_module_instance_estimates_like_its_factory() -> None:
+    wl = presets.get("mlp")
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    instance = replace(wl, model=wl.build_model())
+    assert batchfit.estimate(instance, 8, device="cpu") == batchfit.estimate(wl, 8, device="cpu")
+
+
+def test_bf16_true_halves_parameters_and_states() -> None:
+    wl = presets.get("mlp")
+    fp32 = batchfit.estimate(wl, 2, device="A100-40GB", precision="fp32")
+    bf16 = batchfit.estimate(wl, 2, device="A100-40GB", precision="bf16-true")
+    raw = sum(p.numel() for p in wl.build_model().parameters())
+    assert fp32.analytic["parameters"] == 4 * raw
+    assert bf16.analytic["parameters"] == 2 * raw
+
+
+def test_checkpointing_a_user_block_class_lowers_activations() -> None:
+    from batchfit.models.gpt import Block
+
+    wl = presets.get("gpt", n_layer=4, n_embd=64, n_head=2, vocab_size=64, seq_len=64)
+    plain = batchfit.estimate(wl, 8, device="cpu")
+    ckpt = batchfit.estimate(wl, 8, device="cpu", checkpointing=[Block])
+    assert ckpt.checkpointing
+    assert ckpt.breakdown["activations"] < plain.breakdown["activations"] / 2
+
+
+def test_expandable_segments_never_reserve_more_here() -> None:
+    wl = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
+    classic = batchfit.estimate(wl, 8, device="A100-40GB")
+    expandable = batchfit.estimate(wl, 8, device="A100-40GB", expandable_segments=True)
+    assert expandable.peak_allocated_bytes == classic.peak_allocated_bytes
+    assert expandable.peak_reserved_bytes <= classic.peak_reserved_bytes
+
+
+def test_estimate_to_dict_is_json() -> None:
+    est = batchfit.estimate("mlp", 2, device="T4")
+    d = json.loads(json.dumps(est.to_dict()))
+    assert d["peak_allocated_bytes"] == est.peak_allocated_bytes
+    assert d["fits"] is True
+
+
+@pytest.mark.parametrize(
+    ("loss", "fragment"),
+    [
+        (lambda m, b: m(b[0]), "shape"),
+        (lambda m, b: "nope", "str"),
+        (lambda m, b: (m(b[0]).sum(), 2.5), "n_items"),
+    ],
+)
+def test_a_loss_of_the_wrong_form_is_one_clear_error(loss, fragment: str) -> None:
+    wl = Workload(model=lambda: nn.Linear(4, 2), batch=lambda b: (torch.randn(b, 4),), loss=loss)
+    with pytest.raises(ConfigError) as info:
+        batchfit.estimate(wl, 2, device="cpu")
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_bad_batch_size(bad) -> None:
+    with pytest.raises(ConfigError, match="batch size"):
+        batchfit.estimate("mlp", bad)
+
+
+def test_bf16_on_a_gpu_without_it_names_fp16() -> None:
+    with pytest.raises(ConfigError, match="fp16"):
+        batchfit.estimate("mlp", 2, device="V100-16GB", precision="bf16")
