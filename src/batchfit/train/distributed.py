@@ -1,0 +1,109 @@
+"""torch.distributed glue: where this process is, its device, and the model wrapped for it.
+
+Launch with ``torchrun`` (single node: ``torchrun --nproc_per_node=N``; several nodes and elastic
+restarts: see the README); the process group comes from torchrun's environment variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...). Backend choice lives in one
+function: NCCL when the process has a CUDA device, gloo otherwise (CPU runs and tests).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Place:
+    """This process in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    """None on a single process without a process group."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def choose_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for everything else (the one place backends are chosen)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher using its variables) started this process."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_distributed(device: str | None = None, timeout_s: float = 120.0) -> Place:
+    """Join the process group torchrun describes (or stay a single process) and pick the device.
+
+    Args:
+        device: ``"cuda"``/``"cpu"``; None picks CUDA when available. Each rank uses
+            ``cuda:LOCAL_RANK``.
+        timeout_s: how long collective operations may wait before failing (a dead peer must not hang
+            the job forever; torchrun then restarts it).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ConfigError("no CUDA GPU is visible to this process; use --device cpu")
+    dev = torch.device(f"cuda:{local_rank}") if want_cuda else torch.device("cpu")
+    if want_cuda:
+        torch.cuda.set_device(dev)
+    if dist.is_available() and dist.is_initialized():
+        return Place(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
+    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+        return Place(0, 1, local_rank, dev, None)
+    backend = choose_backend(dev)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Place(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def wrap_model(model: nn.Module, place: Place, *, sharded: bool = False) -> nn.Module:
+    """DDP (or FSDP's ``fully_shard`` per numbered block when ``sharded``) on several ranks; as is on one."""
+    if not place.distributed:
+        return model
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            for name, child in module.named_children():
+                if name.isdigit():  # the blocks of an nn.ModuleList / Sequential: one unit each
+                    fully_shard(child)
+        fully_shard(model)
+        return model
+    device_ids = [place.device.index] if place.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def all_reduce_sum(value: torch.Tensor, place: Place) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op on one process); returns it."""
+    if place.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier(place: Place) -> None:
+    if place.distributed:
+        dist.barrier()
+
+
+def shutdown(place: Place) -> None:
+    """Leave the process group cleanly (torchrun expects every rank to)."""
+    if place.distributed and dist.is_initialized():
+        dist.destroy_process_group()
