@@ -8,6 +8,8 @@ gradient accumulation that is exactly the large batch.
 from __future__ import annotations
 
 from . import devices, presets
+from .advice.lr import scale_lr, warmup_schedule
+from .advice.noise_scale import GradientNoiseScale
 from .devices import Device, get_device
 from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, UnknownNameError
 from .fit import FitResult, fit
@@ -27,6 +29,7 @@ __all__ = [
     "DoesNotFitError",
     "Estimate",
     "FitResult",
+    "GradientNoiseScale",
     "Plan",
     "SimulatedDevice",
     "SweepResult",
@@ -39,5 +42,7 @@ __all__ = [
     "get_device",
     "plan",
     "presets",
+    "scale_lr",
     "sweep",
+    "warmup_schedule",
 ]

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from .errors import BatchfitError, ConfigError
+from .report_cli import LrRule, report
 
 # typer raises its click's exceptions (vendored from typer 0.29 on); find the classes through it.
 _USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
@@ -220,6 +221,15 @@ def plan_command(
         typer.Option("--checkpointing/--no-checkpointing", help="Fix checkpointing (default: as the ladder needs)."),
     ] = None,
     margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
+    base_lr: Annotated[
+        float | None, typer.Option("--base-lr", help="A learning rate known to work at --base-batch-size.")
+    ] = None,
+    base_batch_size: Annotated[
+        int | None, typer.Option("--base-batch-size", help="The global batch --base-lr was tuned at.")
+    ] = None,
+    lr_rule: Annotated[
+        LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
+    ] = LrRule.auto,
     context_mib: ContextOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
@@ -235,6 +245,9 @@ def plan_command(
         precision=precision,
         checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
         margin=margin,
+        base_lr=base_lr,
+        base_batch_size=base_batch_size,
+        lr_rule=lr_rule.value,
     )
     if as_json:
         _emit_json(result.to_dict())
@@ -296,6 +309,9 @@ def sweep_command(
         console.print(f"plot written to {out['plot']}")
 
 
+app.command()(report)
+
+
 @app.command()
 def demo() -> None:
     """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
@@ -314,9 +330,14 @@ def demo() -> None:
     try:
         from .train_cli import demo_run
     except ImportError:  # the training part is optional in a minimal install
-        return
-    console.rule("[bold]3. train: exact accumulation on a simulated small GPU (CPU)")
-    demo_run(console)
+        demo_run = None
+    if demo_run is not None:
+        console.rule("[bold]3. train: exact accumulation on a simulated small GPU (CPU)")
+        demo_run(console)
+    from .report_cli import demo_report
+
+    console.rule("[bold]4. report: memory by batch size and over one step, as one HTML file")
+    demo_report(console)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,10 @@ class Plan:
     alternatives: tuple[PlanOption, ...] = field(default=())
     """The other viable configurations, best first."""
     warnings: tuple[str, ...] = field(default=())
+    scaled_lr: float | None = None
+    """The learning rate for ``global_batch_size``, scaled from ``base_lr`` (None: no reference was given)."""
+    lr_rule: str | None = None
+    """The rule that scaled it: ``"linear"`` (SGD-type) or ``"sqrt"`` (Adam-type); see ``batchfit.advice.lr``."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict with every field (the estimate and alternatives as dicts)."""
@@ -85,6 +89,8 @@ class Plan:
             "remedies": list(self.remedies),
             "alternatives": [o.__dict__ for o in self.alternatives],
             "warnings": list(self.warnings),
+            "scaled_lr": self.scaled_lr,
+            "lr_rule": self.lr_rule,
         }
 
 
@@ -164,6 +170,9 @@ def plan(
     precision: str | None = None,
     checkpointing: Any = None,
     margin: float = 0.0,
+    base_lr: float | None = None,
+    base_batch_size: int | None = None,
+    lr_rule: str = "auto",
 ) -> Plan:
     """Plan ``global_batch_size`` items per optimizer step on ``gpus`` GPUs of ``device``.
 
@@ -177,6 +186,9 @@ def plan(
         DoesNotFitError: nothing fits; the message names the smallest catalog GPU (or GPU count)
             on which it would.
 
+    With ``base_lr`` tuned at ``base_batch_size``, the plan also carries the learning rate scaled to
+    the global batch (``lr_rule``: linear, sqrt, or auto: sqrt for Adam-type optimizers).
+
     Example:
         >>> import batchfit
         >>> p = batchfit.plan("mlp", 300, device="1GiB", gpus=3)
@@ -185,6 +197,7 @@ def plan(
     """
     _validate(global_batch_size, gpus)
     wl = _as_workload(workload)
+    lr = _scaled_lr(wl, global_batch_size, base_lr, base_batch_size, lr_rule)  # before fitting: fail fast
     dev = get_device(device)
     if dev.total_bytes is None:
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
@@ -260,7 +273,23 @@ def plan(
         remedies=remedies,
         alternatives=alternatives,
         warnings=warnings,
+        scaled_lr=None if lr is None else lr.lr,
+        lr_rule=None if lr is None else lr.rule,
     )
+
+
+def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batch_size: int | None, rule: str) -> Any:
+    """``LrScaling`` of ``base_lr`` to the global batch, or None without a reference learning rate."""
+    if base_lr is None and base_batch_size is None:
+        return None
+    if base_lr is None or base_batch_size is None:
+        raise ConfigError(
+            "give both base_lr and base_batch_size (--base-lr, --base-batch-size): a learning rate and the "
+            "global batch it was tuned at"
+        )
+    from .advice.lr import lr_scaling
+
+    return lr_scaling(base_lr, base_batch_size, global_batch_size, rule, optimizer=wl.optimizer)
 
 
 def fit_estimate_at(

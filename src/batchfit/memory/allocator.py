@@ -300,6 +300,10 @@ class CachingAllocator:
         """Bytes the live allocation ``handle`` counts in ``allocated_bytes`` (its whole block)."""
         return 0 if handle == 0 else self._live[handle].size
 
+    def block_address(self, handle: int) -> int:
+        """The simulated device address of the live allocation ``handle`` (for memory snapshots)."""
+        return 0 if handle == 0 else self._live[handle].ptr
+
     def segments(self) -> list[SegmentInfo]:
         """Segments by address, as ``torch.cuda.memory_snapshot`` lists them; sizes add up to reserved."""
         blocks = [*self._live.values()]

@@ -32,13 +32,21 @@ class TraceLine:
             raise ValueError("the two traces have different events")
         index_low = {sid: k for k, sid in enumerate(order_low)}
         index_high = {sid: k for k, sid in enumerate(order_high)}
-        for e_low, e_high in zip(low.events, high.events):
+        # Storages freed together (one Python statement dropping a tuple, say) may die in either order;
+        # within a run of consecutive frees only the set matters to the allocator, so compare sets.
+        run_low: list[int] = []
+        run_high: list[int] = []
+        for e_low, e_high in zip([*low.events, 0], [*high.events, 0]):
             if (e_low >= 0) != (e_high >= 0):
                 raise ValueError("the two traces allocate and free in a different order")
-            k_low = index_low[e_low if e_low >= 0 else ~e_low]
-            k_high = index_high[e_high if e_high >= 0 else ~e_high]
-            if k_low != k_high:
+            if e_low < 0:
+                run_low.append(index_low[~e_low])
+                run_high.append(index_high[~e_high])
+                continue
+            if sorted(run_low) != sorted(run_high):
                 raise ValueError("the two traces free different storages")
+            run_low.clear()
+            run_high.clear()
         for s_low, s_high in zip(order_low, order_high):
             if low.op.get(s_low) != high.op.get(s_high):
                 raise ValueError("the two traces run different ops")

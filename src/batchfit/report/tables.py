@@ -143,6 +143,8 @@ def plan_table(plan: Any) -> Group:
     head.add_row("items per step", str(plan.items_per_step))
     if plan.tokens_per_step:
         head.add_row("tokens per step", f"{plan.tokens_per_step:,}")
+    if plan.scaled_lr is not None:
+        head.add_row("learning rate", f"{plan.scaled_lr:.4g} ({plan.lr_rule} rule)")
     parts: list[Any] = [head]
     if plan.alternatives:
         alt = Table(title="alternatives", title_justify="left")
