@@ -17,11 +17,14 @@ from .memory.estimate import Estimate, estimate
 from .plan import Plan, plan
 from .simulated import SimulatedDevice
 from .sweep import SweepResult, sweep
+from .train.accumulate import Accumulator, StepResult
+from .train.trainer import Trainer
 from .workload import Workload
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accumulator",
     "BatchfitError",
     "CheckpointError",
     "ConfigError",
@@ -32,7 +35,9 @@ __all__ = [
     "GradientNoiseScale",
     "Plan",
     "SimulatedDevice",
+    "StepResult",
     "SweepResult",
+    "Trainer",
     "UnknownNameError",
     "Workload",
     "__version__",

@@ -14,6 +14,7 @@ import typer
 
 from .errors import BatchfitError, ConfigError
 from .report_cli import LrRule, report
+from .train_cli import train
 
 # typer raises its click's exceptions (vendored from typer 0.29 on); find the classes through it.
 _USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
@@ -310,6 +311,7 @@ def sweep_command(
 
 
 app.command()(report)
+app.command()(train)
 
 
 @app.command()
@@ -327,13 +329,9 @@ def demo() -> None:
     console.print(estimate_table(est))
     console.rule("[bold]2. plan: a global batch of 512 sequences on one V100-16GB")
     console.print(plan_table(plan(wl, 512, device="V100-16GB", gpus=1, precision="fp32")))
-    try:
-        from .train_cli import demo_run
-    except ImportError:  # the training part is optional in a minimal install
-        demo_run = None
-    if demo_run is not None:
-        console.rule("[bold]3. train: exact accumulation on a simulated small GPU (CPU)")
-        demo_run(console)
+    console.rule("[bold]3. train: a global batch of 8192 planned on a simulated 48 MiB GPU (runs on the CPU)")
+    console.print("batchfit train mlp --global-batch-size 8192 --set hidden=512 --device simulated:48MiB --steps 3")
+    train("mlp", global_batch_size=8192, set_=["hidden=512"], device="simulated:48MiB", steps=3)
     from .report_cli import demo_report
 
     console.rule("[bold]4. report: memory by batch size and over one step, as one HTML file")

@@ -72,7 +72,11 @@ class SimulatedDevice:
         self._handles: dict[int, int] = {}
         self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
         self._stack: contextlib.ExitStack | None = None
-        self._kernels: Any = None
+        from .memory.cuda import CudaKernels
+
+        # One kernel model for the device's life: its cuBLAS workspaces, once allocated, stay (as on a
+        # GPU, where each handle keeps its workspace), however often the device is entered.
+        self._kernels: Any = CudaKernels(self.device)
         self._next_scratch = 1 << 40
 
     # -- allocation ---------------------------------------------------------------------------
@@ -123,10 +127,16 @@ class SimulatedDevice:
         self.allocator.reset_peak()
 
     # -- context ------------------------------------------------------------------------------
-    def __enter__(self) -> SimulatedDevice:
-        from .memory.cuda import CudaKernels, cuda_emulation
+    @property
+    def active(self) -> bool:
+        """True while the device is entered (its tracker sees this thread's allocations)."""
+        return self._stack is not None
 
-        self._kernels = CudaKernels(self.device)
+    def __enter__(self) -> SimulatedDevice:
+        from .memory.cuda import cuda_emulation
+
+        if self._stack is not None:
+            raise RuntimeError("this SimulatedDevice is already entered")
         stack = contextlib.ExitStack()
         if self._policy is not None:
             stack.enter_context(cuda_emulation(self._policy)())
