@@ -158,6 +158,14 @@ def train(
         DType, typer.Option("--dtype", help="float64 builds model and data in double precision (exactness checks).")
     ] = DType.float32,
     save: Annotated[Path | None, typer.Option("--save", help="Write the final state_dict here (torch.save).")] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="Checkpoint after every step, atomically; if the file exists, resume from it first "
+            "(on any number of processes: what an elastic restart needs).",
+        ),
+    ] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set hidden=128.")
     ] = None,
@@ -165,7 +173,10 @@ def train(
 ) -> None:
     """Train a preset on deterministic synthetic data: global batch = micro-batch x accumulation, exactly."""
     from .advice.batchnorm import BatchNormWarning, batchnorm_advice
+    from .plan import rank_shares
     from .presets import load
+    from .train.checkpoint import load_checkpoint
+    from .train.distributed import shutdown
     from .train.trainer import Trainer
     from .workload import trainable_parameters
 
@@ -177,9 +188,13 @@ def train(
     model_dtype = torch.float64 if DType(dtype) is DType.float64 else torch.float32
     if model_dtype is torch.float64 and precision.lower() != "fp32":
         raise ConfigError("--dtype float64 is for exactness checks in full precision; use it with --precision fp32")
+    from .train.checkpoint import read_checkpoint
+
+    resume = read_checkpoint(checkpoint) if checkpoint is not None and checkpoint.exists() else None
     workload = load(preset, **_overrides(set_))
     if workload.items is None:
         raise ConfigError(f"{preset!r} has no synthetic items (Workload.items); batchfit train needs them")
+    place = _join_process_group(device, global_batch_size)
     trainer_device, sim = _device(device, precision)
     if precision.lower() == "bf16-true":
         model_dtype = torch.bfloat16
@@ -191,10 +206,16 @@ def train(
     optimizer = workload.optimizer(trainable_parameters(model))
     items = workload.items
 
+    shares = rank_shares(global_batch_size, place.world_size)
+    first_id = sum(shares[: place.rank])
+
+    def rank_ids(step: int) -> torch.Tensor:
+        start = step * global_batch_size + first_id  # this rank's contiguous part of global batch t
+        return torch.arange(start, start + shares[place.rank])
+
     def make_batch(step: int) -> Any:
-        ids = torch.arange(step * global_batch_size, (step + 1) * global_batch_size)  # (G,)
         with _default_dtype(model_dtype):
-            return items(ids, seed)
+            return items(rank_ids(step), seed)
 
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -218,10 +239,16 @@ def train(
             precision=precision,
             workload=None if model_dtype is torch.float64 else workload,  # float64: plan the model as built
         )
+        first_step, item_log = 0, []
+        if resume is not None:
+            payload = load_checkpoint(checkpoint, model=model, optimizer=optimizer)  # type: ignore[arg-type]
+            first_step = int(payload["step"])
+            item_log = list(payload["extra"].get("items", []))
+            _check_resume(payload, preset, global_batch_size, seed)
         peak = _peak_reader(sim, trainer_device)
         peak()
-        upcoming = loader.submit(make_batch, 0)
-        for step in range(steps):
+        upcoming = loader.submit(make_batch, first_step) if first_step < steps else None
+        for step in range(first_step, steps):
             batch = upcoming.result()
             if step + 1 < steps:
                 upcoming = loader.submit(make_batch, step + 1)
@@ -231,12 +258,21 @@ def train(
             del batch
             row = {**result.to_dict(), "seconds": seconds, "items_per_s": global_batch_size / seconds}
             row["peak_reserved_bytes"] = peak()
+            row["step"] = step  # counted from 0 across resumes, as StepResult.step
             rows.append(row)
+            item_log.append(_gathered_ids(rank_ids(step), place))
+            if checkpoint is not None:
+                _checkpoint(checkpoint, place, model, optimizer, step + 1, item_log, preset, global_batch_size, seed)
             if progress is not None:
                 progress.advance(result.loss, _split_text(result.micro_batch_sizes), row)
     advice = batchnorm_advice(model, trainer.micro_batch_size or global_batch_size, global_batch_size)
-    if save is not None:
+    if save is not None and place.is_main:
         _save(model.state_dict(), save)
+    shutdown(place)
+    if not rows:  # resumed after the last step: nothing left to do
+        rows = [{"loss": float("nan"), "micro_batch_size": None, "step": first_step}]
+    if not place.is_main:
+        return
     summary = {
         "preset": preset,
         "global_batch_size": global_batch_size,
@@ -247,6 +283,8 @@ def train(
         "seed": seed,
         "data": "global batch t = item ids t*G .. t*G+G-1 of the preset's synthetic items",
         "plan": trainer.plan.to_dict() if hasattr(trainer.plan, "to_dict") else None,
+        "world_size": place.world_size,
+        "resumed_from_step": first_step if resume is not None else None,
         "steps": rows,
         "final_loss": rows[-1]["loss"],
         "advice": [advice] if advice else [],
@@ -345,3 +383,68 @@ def _print_table(summary: dict[str, Any]) -> None:
         console.print(f"advice: {text}", soft_wrap=True)
     if summary["saved"]:
         console.print(f"saved the final weights to {summary['saved']}")
+
+
+def _join_process_group(device: str, global_batch_size: int) -> Any:
+    """Under torchrun, join the process group (gloo on CPU and simulated GPUs, NCCL on CUDA)."""
+    from .train.distributed import init_distributed, launched_by_torchrun
+
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    if world > global_batch_size:
+        raise ConfigError(
+            f"{world} processes cannot share a global batch of {global_batch_size} (each needs an item); "
+            f"use --global-batch-size >= {world} or fewer processes"
+        )
+    return init_distributed("cuda" if device.startswith("cuda") else "cpu")
+
+
+def _gathered_ids(ids: torch.Tensor, place: Any) -> list[int]:
+    """Every rank's item ids of one step, in rank order (the item accounting a checkpoint keeps)."""
+    mine = ids.tolist()
+    if not place.distributed:
+        return mine
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * place.world_size
+    dist.all_gather_object(parts, mine)
+    return [i for part in parts for i in part]
+
+
+def _checkpoint(
+    path: Path,
+    place: Any,
+    model: Any,
+    optimizer: Any,
+    step: int,
+    item_log: list[list[int]],
+    preset: str,
+    global_batch_size: int,
+    seed: int,
+) -> None:
+    """Rank 0 writes the checkpoint of a finished step; every rank waits for it (no step runs ahead)."""
+    from .train.checkpoint import save_checkpoint
+    from .train.distributed import barrier
+
+    if place.is_main:
+        save_checkpoint(
+            path,
+            model=model,
+            optimizer=optimizer,
+            step=step,
+            plan={"global_batch_size": global_batch_size, "world_size": place.world_size},
+            extra={"items": item_log, "preset": preset, "seed": seed},
+        )
+    barrier(place)
+
+
+def _check_resume(payload: dict[str, Any], preset: str, global_batch_size: int, seed: int) -> None:
+    """Refuse to continue a run with other data: same preset, seed and global batch, or nothing."""
+    from .errors import CheckpointError
+
+    extra, plan = payload.get("extra", {}), payload.get("plan") or {}
+    saved = (extra.get("preset"), extra.get("seed"), plan.get("global_batch_size"))
+    if saved != (preset, seed, global_batch_size):
+        raise CheckpointError(
+            f"the checkpoint is of {saved[0]} with seed {saved[1]} and global batch {saved[2]}, not {preset} with "
+            f"seed {seed} and global batch {global_batch_size}; resume with the same settings or another path"
+        )

@@ -43,6 +43,7 @@ from torch import nn
 from ..batching import Batch, batch_size_of
 from ..errors import ConfigError
 from ..precision import Precision, policy_for
+from .distributed import all_reduce_sum, distributed, no_sync_of, world_size
 
 if TYPE_CHECKING:
     from .oom import Replan
@@ -129,41 +130,6 @@ def loss_terms(out: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
         f"the loss returned {type(out).__name__}; return a scalar float tensor (the mean over the micro-batch) "
         "or a tuple (loss_sum, n_items) for token-level losses"
     )
-
-
-# -- distributed glue (the one place that branches on the backend) ------------------------------------
-def distributed() -> bool:
-    """True inside an initialised ``torch.distributed`` default group."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
-
-
-def world_size() -> int:
-    """Processes in the default group; 1 without ``torch.distributed``."""
-    return torch.distributed.get_world_size() if distributed() else 1
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 without ``torch.distributed``."""
-    return torch.distributed.get_rank() if world_size() > 1 else 0
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the ranks of the default group in place (nothing to do without one)."""
-    if distributed():
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-    return t
-
-
-def no_sync_of(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
-    """How ``model`` skips its gradient all-reduce: its public ``no_sync`` (DDP, FSDP), or None.
-
-    DDP all-reduces during every backward; under accumulation only the window's last backward needs
-    to, the others just add into local ``.grad``. A plain module has no ``no_sync``, so a single
-    process runs the same code without one.
-    """
-    no_sync = getattr(model, "no_sync", None)
-    return no_sync if callable(no_sync) else None
 
 
 # NOTE [ Dividing by a count known only at the end ]

@@ -8,8 +8,10 @@ function: NCCL when the process has a CUDA device, gloo otherwise (CPU runs and 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,13 +93,6 @@ def wrap_model(model: nn.Module, place: Place, *, sharded: bool = False) -> nn.M
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
-def all_reduce_sum(value: torch.Tensor, place: Place) -> torch.Tensor:
-    """Sum a tensor over ranks in place (a no-op on one process); returns it."""
-    if place.distributed:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
 def barrier(place: Place) -> None:
     if place.distributed:
         dist.barrier()
@@ -107,3 +102,37 @@ def shutdown(place: Place) -> None:
     """Leave the process group cleanly (torchrun expects every rank to)."""
     if place.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# -- the default process group, as the accumulator sees it --------------------------------------
+def distributed() -> bool:
+    """True inside an initialised ``torch.distributed`` default group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    """Processes in the default group; 1 without ``dist``."""
+    return dist.get_world_size() if distributed() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 without ``dist``."""
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the ranks of the default group in place (nothing to do without one)."""
+    if distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def no_sync_of(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """How ``model`` skips its gradient all-reduce: its public ``no_sync`` (DDP, FSDP), or None.
+
+    DDP all-reduces during every backward; under accumulation only the window's last backward needs
+    to, the others just add into local ``.grad``. A plain module has no ``no_sync``, so a single
+    process runs the same code without one.
+    """
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync if callable(no_sync) else None

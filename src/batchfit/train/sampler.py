@@ -126,8 +126,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def _dist_place() -> tuple[int, int]:
-    import torch.distributed as dist
+    from .distributed import rank, world_size
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return rank(), world_size()

@@ -38,7 +38,8 @@ from ..precision import Precision, parse_precision
 from ..simulated import SimulatedDevice
 from ..units import format_bytes
 from ..workload import Workload
-from .accumulate import Accumulator, StepResult, micro_batch_sizes, rank, world_size
+from .accumulate import Accumulator, StepResult, micro_batch_sizes
+from .distributed import no_sync_of, rank, world_size
 from .oom import CacheReleaser, CudaCache, NoCache, is_out_of_memory, release_memory, run_window
 
 LossFn = Callable[[nn.Module, Batch], Any]
@@ -189,6 +190,11 @@ class Trainer:
                 f"(model.to({self._where.device.type!r})) and build the optimizer after"
             )
         self.precision = parse_precision(precision)
+        if self.world_size > 1 and no_sync_of(model) is None:
+            # Under torchrun the model is wrapped here, after the checks above, so that user code is the
+            # same on one process and on many (DDP keeps the same parameters: the optimizer stays valid).
+            device_ids = [self._where.device.index] if self._where.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         self.model = model
         self.optimizer = optimizer
         self.loss = loss
