@@ -1,0 +1,179 @@
+"""Several processes (torchrun, gloo on the CPU): the same weights as one process, across resumes and kills.
+
+Every run is a real ``torchrun`` (``python -m torch.distributed.run``) of ``batchfit train`` in float64,
+with ``--standalone`` (a free port, no fixed address) and a timeout on every wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchfit.train.checkpoint import read_checkpoint
+
+TIMEOUT_S = 120
+BASE = ["train", "mlp", "--dtype", "float64", "--micro-batch-size", "7", "--json"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarted workers must not read stale addresses
+    return env
+
+
+def _one_process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "batchfit", *BASE, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=_env(),
+    )
+
+
+def _torchrun(nproc: int, *args: str, restarts: int = 0) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={restarts}",
+        "-m",
+        "batchfit",
+        *BASE,
+        *args,
+    ]
+
+
+def _run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_torchrun(nproc, *args), capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+
+
+def _max_rel_diff(a: Path, b: Path) -> float:
+    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert sa.keys() == sb.keys()
+    return max(((sa[k] - sb[k]).abs().max() / sa[k].abs().max().clamp_min(1e-300)).item() for k in sa)
+
+
+@pytest.mark.parametrize("global_batch_size", [30, 31])
+def test_two_processes_equal_one(tmp_path: Path, global_batch_size: int) -> None:
+    one = _one_process("--global-batch-size", str(global_batch_size), "--steps", "4", "--save", str(tmp_path / "p1.pt"))
+    assert one.returncode == 0, one.stderr
+    two = _run_torchrun(
+        2, "--global-batch-size", str(global_batch_size), "--steps", "4", "--save", str(tmp_path / "p2.pt")
+    )
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert _max_rel_diff(tmp_path / "p1.pt", tmp_path / "p2.pt") <= 1e-12
+
+
+@pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)])
+def test_resume_on_another_world_size(tmp_path: Path, first: int, second: int) -> None:
+    ck = tmp_path / "ck.pt"
+    ref = _one_process("--global-batch-size", "31", "--steps", "4", "--save", str(tmp_path / "ref.pt"))
+    assert ref.returncode == 0, ref.stderr
+
+    def run(nproc: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
+        args = ("--global-batch-size", "31", "--steps", str(steps), "--checkpoint", str(ck), *extra)
+        return _one_process(*args) if nproc == 1 else _run_torchrun(nproc, *args)
+
+    a = run(first, 2)
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert read_checkpoint(ck)["step"] == 2
+    b = run(second, 4, "--save", str(tmp_path / "resumed.pt"))
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert _max_rel_diff(tmp_path / "ref.pt", tmp_path / "resumed.pt") <= 1e-12
+    items = read_checkpoint(ck)["extra"]["items"]
+    assert [sorted(step) for step in items] == [list(range(31 * t, 31 * (t + 1))) for t in range(4)]
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """Children of the torchrun agent (its worker processes), from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    steps = 12
+    ck = tmp_path / "ck.pt"
+    ref = _one_process("--global-batch-size", "30", "--steps", str(steps), "--save", str(tmp_path / "ref.pt"))
+    assert ref.returncode == 0, ref.stderr
+    cmd = _torchrun(
+        2,
+        "--global-batch-size",
+        "30",
+        "--steps",
+        str(steps),
+        "--checkpoint",
+        str(ck),
+        "--save",
+        str(tmp_path / "out.pt"),
+        restarts=1,
+    )
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    killed = None
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while killed is None and time.monotonic() < deadline and agent.poll() is None:
+            try:
+                progressed = ck.exists() and read_checkpoint(ck)["step"] >= 2
+            except Exception:  # caught mid-rename: try again
+                progressed = False
+            workers = _worker_pids(agent.pid)
+            if progressed and workers:
+                killed = max(workers)
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.01)
+        out, err = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert killed is not None, "the job finished before a worker could be killed"
+    assert agent.returncode == 0, err[-3000:]
+    assert _max_rel_diff(tmp_path / "ref.pt", tmp_path / "out.pt") <= 1e-12
+    items = read_checkpoint(ck)["extra"]["items"]
+    assert len(items) == steps
+    # Every step used exactly its global batch: no item lost, none used twice.
+    assert [sorted(step) for step in items] == [list(range(30 * t, 30 * (t + 1))) for t in range(steps)]
+
+
+def test_bad_checkpoints_and_world_sizes_are_one_line_and_overwrite_nothing(tmp_path: Path) -> None:
+    ck = tmp_path / "ck.pt"
+    first = _one_process("--global-batch-size", "8", "--steps", "1", "--checkpoint", str(ck))
+    assert first.returncode == 0, first.stderr
+    good = ck.read_bytes()
+
+    other_model = _one_process(
+        "--global-batch-size", "8", "--steps", "2", "--checkpoint", str(ck), "--set", "hidden=32"
+    )
+    assert other_model.returncode == 2
+    assert other_model.stderr.strip().count("\n") == 0 and "another model" in other_model.stderr
+    assert ck.read_bytes() == good
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good[: len(good) // 3])
+    cut = _one_process("--global-batch-size", "8", "--steps", "2", "--checkpoint", str(truncated))
+    assert cut.returncode == 2 and "unreadable" in cut.stderr and cut.stderr.strip().count("\n") == 0
+    assert truncated.read_bytes() == good[: len(good) // 3]
+
+    too_many = _run_torchrun(2, "--global-batch-size", "1", "--steps", "1")
+    assert too_many.returncode != 0
+    assert "cannot share a global batch of 1" in too_many.stderr
