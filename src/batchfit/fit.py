@@ -112,7 +112,14 @@ class _Search:
 
             trace = shard_trace(trace, self.shard_over)
         return finish_estimate(
-            trace, self.workload, b, self.device, self.policy, self.classes, self.expandable_segments
+            trace,
+            self.workload,
+            b,
+            self.device,
+            self.policy,
+            self.classes,
+            self.expandable_segments,
+            allocator_capacity=self.budget if self.reserved_only else self.budget - self.device.context_bytes,
         )
 
     def fits(self, est: Estimate) -> bool:
@@ -138,11 +145,15 @@ def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
 
 
 def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int) -> DoesNotFitError:
+    low = "bf16" if device.bf16 else "fp16"  # only remedies this GPU supports
+    remedies = [] if est.precision in (low, "bf16-true") else [f"--precision {low}"]
+    if not est.checkpointing and workload.checkpoint_blocks:
+        remedies.append("--checkpointing")
+    remedies += ["more GPUs with sharding (batchfit plan --gpus N)", "a larger GPU"]
     return DoesNotFitError(
         f"{workload.name} does not fit on {device.name} even at batch size 1 with precision {est.precision}"
         f"{' and checkpointing' if est.checkpointing else ''}: it needs {format_bytes(est.device_total_bytes)} "
-        f"of {format_bytes(budget)}; try --precision bf16, --checkpointing, more GPUs (batchfit plan --gpus N) "
-        "or a larger GPU"
+        f"of {format_bytes(budget)}; try {', '.join(remedies[:-1])} or {remedies[-1]}"
     )
 
 

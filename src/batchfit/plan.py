@@ -116,9 +116,19 @@ def split_share(share: int, max_micro: int) -> list[int]:
     return [q + 1 if i < r else q for i in range(k)]
 
 
-def make_splits(global_batch_size: int, gpus: int, max_micro: int) -> list[list[int]]:
-    """Every rank's micro-batches for one optimizer step."""
-    return [split_share(s, max_micro) for s in rank_shares(global_batch_size, gpus)]
+def make_splits(global_batch_size: int, gpus: int, max_micro: int, *, same_count: bool = False) -> list[list[int]]:
+    """Every rank's micro-batches for one optimizer step.
+
+    With ``same_count`` (FSDP: every micro-batch's forward and backward are collectives, so ranks must
+    run as many micro-batches as each other) every rank splits its share into the busiest rank's
+    number of pieces, when each share has that many items.
+    """
+    shares = rank_shares(global_batch_size, gpus)
+    splits = [split_share(s, max_micro) for s in shares]
+    k = max(len(s) for s in splits)
+    if same_count and all(share >= k for share in shares):
+        splits = [[share // k + 1 if i < share % k else share // k for i in range(k)] for share in shares]
+    return splits
 
 
 # -- the ladder -------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ def plan(
     if chosen is None:
         raise _nothing_fits(wl, dev, gpus, rungs)
     result, (prec, ck, sharded, remedies) = chosen
-    splits = make_splits(global_batch_size, gpus, result.max_batch_size)
+    splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=sharded)
     micro = max(max(s) for s in splits)
     est = result.estimate
     if micro != result.max_batch_size:

@@ -395,6 +395,10 @@ def _join_process_group(device: str, global_batch_size: int) -> Any:
             f"{world} processes cannot share a global batch of {global_batch_size} (each needs an item); "
             f"use --global-batch-size >= {world} or fewer processes"
         )
+    if world == 1:  # a single process: nothing to join (the device is checked where it is used)
+        from .train.distributed import Place
+
+        return Place(0, 1, 0, torch.device("cpu"), None)
     return init_distributed("cuda" if device.startswith("cuda") else "cpu")
 
 

@@ -126,15 +126,34 @@ def estimate_from_trace(
     checkpointing: bool,
     expandable_segments: bool = False,
     analytic: dict[str, Any] | None = None,
+    allocator_capacity: int | None = None,
 ) -> Estimate:
-    """Turn a trace into an ``Estimate`` for ``device`` (exact bytes on CPU, allocator model on CUDA)."""
+    """Turn a trace into an ``Estimate`` for ``device`` (exact bytes on CPU, allocator model on CUDA).
+
+    NOTE [ Reserved memory near the capacity ]
+    The caching allocator keeps freed segments cached, so without a limit its reserved memory only
+    grows; a real GPU near its capacity instead frees cached segments and retries before raising OOM.
+    The trace is therefore replayed with the device's capacity (total less the CUDA context, or
+    ``allocator_capacity``): if it runs to the end, its peak reserved is what the GPU would hold, and
+    the step fits even where an unlimited cache would have grown past the capacity. If it raises OOM
+    there, the unlimited replay's peak (necessarily above the capacity) is reported, so that
+    ``device_total_bytes > capacity`` says "does not fit" in both the estimate and the fitter.
+    """
     rounded = not device.exact
     reading = read_peak(trace, rounded=rounded)
     if device.exact:
         reserved, context, retries = reading.peak_bytes, 0, 0
     else:
-        stats = replay(trace.allocations(), expandable_segments=expandable_segments)
-        reserved, context, retries = stats.peak_reserved_bytes, device.context_bytes, stats.num_alloc_retries
+        context = device.context_bytes
+        stats = None
+        limit = allocator_capacity if allocator_capacity is not None else device.usable_bytes
+        if limit is not None:
+            bounded = replay(trace.allocations(), capacity_bytes=limit, expandable_segments=expandable_segments)
+            if bounded.oom_at_event is None:
+                stats = bounded
+        if stats is None:
+            stats = replay(trace.allocations(), expandable_segments=expandable_segments)
+        reserved, retries = stats.peak_reserved_bytes, stats.num_alloc_retries
     phase, step = trace.phase_at(reading.event_index)
     workspace = sum(
         round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace")
@@ -257,6 +276,7 @@ def finish_estimate(
     policy: Any,
     classes: tuple[type, ...],
     expandable_segments: bool = False,
+    allocator_capacity: int | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a trace (shared by ``estimate`` and the fitter's predicted traces)."""
     from .analytic import analytic_estimate
@@ -270,6 +290,7 @@ def finish_estimate(
         checkpointing=bool(classes),
         expandable_segments=expandable_segments,
         analytic=analytic_estimate(workload, batch_size, policy, trace),
+        allocator_capacity=allocator_capacity,
     )
 
 

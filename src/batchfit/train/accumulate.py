@@ -8,6 +8,7 @@ scheduler and ``zero_grad`` each run once per global batch (see "Exact large-bat
 design notes).
 
 ``Accumulator`` is the piece for people who keep their own loop; ``batchfit.Trainer`` is built on it.
+On the way it measures the gradient noise scale (see NOTE [ Gradient noise scale from the window ]).
 
 Example:
     >>> import torch
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..advice.noise_scale import GradientNoiseScale, grad_sq_norm
 from ..batching import Batch, batch_size_of
 from ..errors import ConfigError
 from ..precision import Precision, policy_for
@@ -93,6 +95,8 @@ class StepResult:
     """Re-plans after out-of-memory errors during this step (see ``batchfit.train.oom``)."""
     step: int = 0
     """Index of this optimizer step, from 0."""
+    noise_scale: float | None = None
+    """The gradient noise scale ``B_simple`` measured so far (None while off or not yet resolved)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON."""
@@ -231,6 +235,8 @@ class MicroStep:
         acc._values.append(detached)
         acc._counts.append(self.n_items if count is None else count)
         acc._sizes.append(self.n_items)
+        if acc.noise_scale is not None and not self.last and len(acc._values) == 1:
+            acc._read_small_gradient(self.n_items if count is None else count)
         return detached
 
 
@@ -251,11 +257,14 @@ class Accumulator:
         grad_scaler: a ``torch.amp.GradScaler``; by default one is made for ``precision="fp16"``.
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast of the forward) or ``bf16-true``.
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; by default that of the first parameter.
+        noise_scale: measure the gradient noise scale into this ``GradientNoiseScale`` (True: a new
+            one, False: off); see NOTE [ Gradient noise scale from the window ].
 
     Windows start from no gradients: any the parameters hold when the Accumulator is built are dropped.
 
     Raises:
-        ConfigError: a non-positive global batch or ``max_grad_norm``, or an unknown precision.
+        ConfigError: a non-positive global batch or ``max_grad_norm``, an unknown precision, or a
+            ``noise_scale`` that is neither a bool nor a ``GradientNoiseScale``.
     """
 
     def __init__(
@@ -269,6 +278,7 @@ class Accumulator:
         grad_scaler: torch.amp.GradScaler | None = None,
         precision: str | Precision = "fp32",
         device_type: str | None = None,
+        noise_scale: GradientNoiseScale | bool = True,
     ) -> None:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
@@ -276,6 +286,8 @@ class Accumulator:
             raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(noise_scale, (bool, GradientNoiseScale)):
+            raise ConfigError(f"noise_scale must be True, False or a GradientNoiseScale, got {noise_scale!r}")
         self.model = model
         self.optimizer = optimizer
         self.global_batch_size = global_batch_size
@@ -299,6 +311,11 @@ class Accumulator:
         self._counts: list[int | torch.Tensor] = []
         self._sizes: list[int] = []
         self._dirty = False
+        self.noise_scale: GradientNoiseScale | None = (
+            GradientNoiseScale() if noise_scale is True else noise_scale or None
+        )
+        """The running gradient noise scale estimate (None when off)."""
+        self._small: torch.Tensor | None = None  # (3,) float64; see NOTE [ Gradient noise scale from the window ]
         self.reset()
 
     # -- per micro-batch ------------------------------------------------------------------------------
@@ -338,14 +355,16 @@ class Accumulator:
         self._values.clear()
         self._counts.clear()
         self._sizes.clear()
+        self._small = None
         self._dirty = False
 
     # -- per optimizer step ---------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Finish the window: divide by the true count, unscale, clip, step, schedule, free gradients.
 
-        Values are read from the device after the optimizer step, once (twice with clipping: the norm,
-        once the first read has drained the queue); DDP with a mean loss reads the item count before.
+        Values are read from the device once, after the optimizer step (the loss, the count, the
+        clipping norm and the noise scale's norms together); DDP with a mean loss reads the item count
+        before.
 
         Raises:
             ConfigError: no micro-batch was accumulated, the window is incomplete after a failed
@@ -357,11 +376,14 @@ class Accumulator:
             raise ConfigError("step() needs at least one micro-batch passed through accumulate() first")
         params = self._params()
         local = self._form == MEAN and not distributed()
+        small = self._small
+        if small is None and self.noise_scale is not None and distributed():
+            small = self._values[0].new_zeros(3, dtype=torch.float64)  # every rank joins the one all-reduce
         if local:  # one process, counts known on the host: no arithmetic on the device at all
             self._check_item_count(sum(self._sizes))
             pending = torch.stack(self._values)  # (k,) the micro-batches' mean losses, read after the step
         else:
-            pending = self._totals()  # (2,) float64: [loss_sum, n_items] over all ranks
+            pending = self._totals(small)  # (2,) float64: [loss_sum, n_items] over all ranks, then `small`'s 3
             if self._form == MEAN:
                 self._check_item_count(int(pending[1].item()))
             else:  # multiply by N_prev / N: see NOTE [ Dividing by a count known only at the end ]
@@ -375,7 +397,12 @@ class Accumulator:
         norm = None
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        skipped = False
+        tail = [small] if local and small is not None else []  # read with `pending`, in one transfer
+        if norm is not None:
+            tail.append(norm.detach().double()[None])
+        if small is not None:  # the window's mean gradient, unscaled and not yet clipped: |G_big|²
+            tail.append((norm.detach().double().square() if norm is not None else grad_sq_norm(params))[None])
+        skipped, scale_before = False, 1.0
         if scaler is not None:
             scale_before = scaler.get_scale()
             scaler.step(self.optimizer)
@@ -386,21 +413,28 @@ class Accumulator:
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if tail:  # float64 holds the losses exactly: they read back as the same Python floats
+            pending = torch.cat([pending.double(), *(t.to(pending.device) for t in tail)])
         read = pending.tolist()
         sizes = tuple(self._sizes)
+        head = len(sizes) if local else 2
+        extra = read[head:]  # [small's 3 when measuring] [norm when clipping] [|G_big|² when measuring]
         if local:
             loss_sum, n_items = math.fsum(v * n for v, n in zip(read, sizes)), float(sum(sizes))
         else:
-            loss_sum, n_items = read
+            loss_sum, n_items = read[:2]
+        if small is not None and not skipped:  # a step fp16 skipped for inf/NaN measures nothing
+            self._measure(extra[:3], extra[-1], n_items, scale_before)
         result = StepResult(
             loss=loss_sum / n_items if n_items > 0 else 0.0,
             n_items=int(round(n_items)),
             micro_batch_size=max(sizes),
             accumulation_steps=len(sizes),
             micro_batch_sizes=sizes,
-            grad_norm=norm.item() if norm is not None else None,
+            grad_norm=extra[3 if small is not None else 0] if norm is not None else None,
             skipped=skipped,
             step=self._step,
+            noise_scale=self.noise_scale.b_simple if self.noise_scale is not None else None,
         )
         if self._form == TOKENS and n_items > 0:
             self._token_divisor = n_items
@@ -409,14 +443,15 @@ class Accumulator:
         self._values.clear()
         self._counts.clear()
         self._sizes.clear()
+        self._small = None
         return result
 
     # -- helpers --------------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _totals(self) -> torch.Tensor:
-        """``[loss_sum, n_items]`` of the window in float64, summed over ranks."""
+    def _totals(self, small: torch.Tensor | None) -> torch.Tensor:
+        """``[loss_sum, n_items]`` of the window in float64, then ``small``'s terms, summed over ranks."""
         values = torch.stack(self._values).to(torch.float64)  # (k,)
         if self._form == MEAN:
             counts = torch.tensor(self._counts, dtype=torch.float64, device=values.device)  # (k,)
@@ -426,7 +461,35 @@ class Accumulator:
                 [torch.as_tensor(c, dtype=torch.float64, device=values.device) for c in self._counts]
             )  # (k,)
             loss_sum = values.sum()
-        return all_reduce_sum(torch.stack([loss_sum, counts.sum()]))
+        totals = torch.stack([loss_sum, counts.sum()])  # (2,)
+        return all_reduce_sum(totals if small is None else torch.cat([totals, small.to(totals.device)]))
+
+    # NOTE [ Gradient noise scale from the window ]
+    # B_simple (batchfit.advice.noise_scale) needs |G|² at a small and a large batch; a window holds both.
+    # After its first backward (if not the last), .grad is that micro-batch's rank-local gradient (no_sync)
+    # times backward_weighted's weight (n W / G per mean, W / N_prev per token sum) and the GradScaler's S:
+    # undone right there into the micro-batch's mean gradient's |g|², on the device (one norm per parameter,
+    # no copy, no host read; S is divided out on the host). Under DDP every rank's first micro-batch is a
+    # small batch: their [|g|², 1/n, 1] ride the step's one all-reduce, and as E|g_n|² = |G|² + tr(Σ)/n,
+    # the ranks' mean |g|² is that of one batch of the harmonic mean of their n. The large batch is the
+    # window's mean gradient after the division and unscale_, before clipping (clipping's norm, else one
+    # norm per parameter). Both join the step's one host read. Windows of one micro-batch on every rank,
+    # and steps fp16 skipped, measure nothing. Token losses count tokens as independent items (they are not).
+    def _read_small_gradient(self, count: int | torch.Tensor) -> None:
+        """The first micro-batch's ``[|mean gradient|² S², 1/n, 1]`` (n its count), on the device (NOTE above)."""
+        sq = grad_sq_norm(self._params())  # 0-d float64
+        # A fill, not a host-to-device copy of an int count: that copy would wait for the device.
+        n = count.to(sq.device, torch.float64) if isinstance(count, torch.Tensor) else sq.new_full((), float(count))
+        measured = (n > 0).double()  # a token micro-batch may hold no loss-carrying token
+        divisor = (self.global_batch_size if self._form == MEAN else self._token_divisor) / self.world_size
+        n = n.clamp_min(1.0)
+        self._small = torch.stack([sq * measured * (divisor / n) ** 2, measured / n, measured])  # (3,)
+
+    def _measure(self, small: list[float], big_sq: float, big_n: float, scale: float) -> None:
+        """Feed the ranks' mean small-batch norm and the window's norm to the noise scale (NOTE above)."""
+        sq_sum, inv_sum, measured = small
+        if self.noise_scale is not None and measured > 0 and inv_sum > 0 and 1 <= measured / inv_sum < big_n:
+            self.noise_scale.update(sq_sum / measured / scale**2, measured / inv_sum, big_sq, big_n)
 
     def _check_item_count(self, n: int) -> None:
         if n != self.global_batch_size:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..advice.batchnorm import warn_batchnorm
+from ..advice.noise_scale import GradientNoiseScale
 from ..batching import Batch, batch_size_of, map_tensors
 from ..errors import ConfigError, DoesNotFitError, UnknownNameError
 from ..precision import Precision, parse_precision
@@ -139,6 +140,9 @@ class Trainer:
         grad_scaler: a ``torch.amp.GradScaler``; one is made for fp16 when None.
         workload: what ``micro_batch_size="auto"`` plans with; by default one made of ``model``,
             ``loss``, the optimizer's class and defaults, and batches shaped like the first one.
+        noise_scale: measure the gradient noise scale (``trainer.noise_scale``, ``StepResult.noise_scale``)
+            from the windows' first micro-batches, into this ``GradientNoiseScale`` (True: a new one,
+            False: off); steps of one micro-batch per rank measure nothing.
 
     Raises:
         ConfigError: a non-positive or too small global batch, a micro-batch size that is not
@@ -160,6 +164,7 @@ class Trainer:
         scheduler: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         workload: Workload | None = None,
+        noise_scale: GradientNoiseScale | bool = True,
     ) -> None:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
@@ -208,6 +213,7 @@ class Trainer:
             grad_scaler=grad_scaler,
             precision=self.precision,
             device_type=self._where.device.type,
+            noise_scale=noise_scale,
         )
         self.share = _shares(global_batch_size, self.world_size)[self.rank]
         """Items of each global batch that this rank's ``step`` receives."""
@@ -222,6 +228,11 @@ class Trainer:
             self._put_on_simulated(self._where.simulated)
         if self.micro_batch_size is not None:
             self._advise_batchnorm()
+
+    @property
+    def noise_scale(self) -> GradientNoiseScale | None:
+        """The running gradient noise scale (``.b_simple``, ``.recommendation(...)``); None when off."""
+        return self.accumulator.noise_scale
 
     def step(self, batch: Batch) -> StepResult:
         """One optimizer step on this rank's share of one global batch.
