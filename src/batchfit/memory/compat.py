@@ -16,10 +16,33 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensor
+
+
+@contextlib.contextmanager
+def counted_rng_states(register: Callable[[Any], Any]) -> Iterator[None]:
+    """Count the RNG-state tensors activation checkpointing keeps for backward.
+
+    ``torch.utils.checkpoint`` saves ``torch.get_rng_state()`` (a 5,056-byte CPU tensor) per
+    checkpointed block to replay dropout identically in the recomputation; it is made by the
+    generator directly, never by an op, so the dispatch-level tracker would not see it.
+    """
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        register(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 @contextlib.contextmanager

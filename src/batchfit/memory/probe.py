@@ -77,7 +77,9 @@ class CpuScratchProbe:
         if getattr(func, "namespace", "aten") in _SKIP_NAMESPACES or getattr(func, "is_view", False):
             return
         flat, treespec = tree_flatten((args, kwargs))
-        specs = [_spec(x) for x in flat]
+        # Factory ops without a dtype argument (randn, empty) take the default dtype, which bf16-true
+        # training changes; it is part of the signature and restored when the op is replayed.
+        specs = [_spec(x) for x in flat] + [("default_dtype", torch.get_default_dtype())]
         try:
             key = (str(func), tuple(specs), torch.get_num_threads())
             hash(key)
@@ -114,7 +116,10 @@ class CpuScratchProbe:
         with real_execution(), torch.no_grad():
             with cpu_memory_profile() as prof:
                 for i, (key, (func, specs, treespec)) in enumerate(todo):
-                    args, kwargs = tree_unflatten([_real(s) for s in specs], treespec)
+                    *arg_specs, (_, dtype) = specs
+                    args, kwargs = tree_unflatten([_real(s) for s in arg_specs], treespec)
+                    saved_dtype = torch.get_default_dtype()
+                    torch.set_default_dtype(dtype)
                     label = f"{_MARK}{i}"
                     out = None
                     try:
@@ -122,7 +127,9 @@ class CpuScratchProbe:
                             out = func(*args, **kwargs)
                     except Exception as exc:  # a kernel that refuses zeros: count no scratch
                         self.failed[key] = f"{type(exc).__name__}: {exc}"[:200]
-                    else:
+                    finally:
+                        torch.set_default_dtype(saved_dtype)
+                    if key not in self.failed:
                         self.output_bytes[key] = [
                             t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                         ]

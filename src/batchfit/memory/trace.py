@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from ..workload import Workload, trainable_parameters
 from .categories import Category
@@ -31,6 +32,7 @@ from .steps import run_steps
 from .tracker import RoleBook, StorageTracker
 
 OUTSIDE = "(outside modules)"
+_MODULE_KEY = "batchfit_module"
 
 
 @dataclass
@@ -97,19 +99,43 @@ class Tracer:
         self._next_scratch = -1
         self._stack = contextlib.ExitStack()
         self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
-        self._mod_tracker: Any = None
+        self._module_stack: list[str] = []
+        self._module_names: dict[int, str] = {}
+        self._backward_module = OUTSIDE
         self._param_module: dict[int, str] = {}
 
     # -- hooks ----------------------------------------------------------------------------------
     def _current_module(self) -> str:
-        if self._mod_tracker is None:
-            return OUTSIDE
-        parents = self._mod_tracker.parents
-        if len(parents) <= 1:
-            return OUTSIDE
-        return max(parents, key=lambda name: name.count("."))
+        if torch._C._current_autograd_node() is not None:
+            return self._backward_module
+        return self._module_stack[-1] if self._module_stack else OUTSIDE
+
+    # NOTE [ Which module allocated it, without touching lifetimes ]
+    # Forward: global module pre/post hooks keep a stack of module names. Backward: the forward post
+    # hook tags each module output's autograd node with the module's name; backward runs a module's
+    # nodes right after its output node, so the last tagged node the engine ran names the module of
+    # every allocation until the next one. Nothing here holds a tensor or a gradient (autograd hooks
+    # on inputs and outputs, as torch's ModTracker uses, keep gradients alive longer than the real
+    # step and so change the peak being measured).
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._module_stack.append(self._module_names.get(id(module), type(module).__name__))
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._module_stack.pop() if self._module_stack else OUTSIDE
+        for t in tree_flatten(output)[0]:
+            node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+            if node is not None and _MODULE_KEY not in node.metadata:  # the innermost module wins
+                node.metadata[_MODULE_KEY] = name
+
+    def _note_backward_module(self) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            name = node.metadata.get(_MODULE_KEY)
+            if name is not None:
+                self._backward_module = name
 
     def _on_alloc(self, sid: int, nbytes: int) -> None:
+        self._note_backward_module()
         t = self.trace
         t.events.append(sid)
         t.nbytes[sid] = nbytes
@@ -153,8 +179,18 @@ class Tracer:
         return (1 << 40) + self._next_scratch
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._roles.mark(self._tracker.storage_id(t), Category.ACTIVATIONS)
+        sid = self._tracker.storage_id(t)
+        if sid is None and t.untyped_storage().nbytes() > 0:
+            # Not an op's output: a Python number autograd keeps as a 0-d tensor (``x * 0.5`` saves
+            # 0.5), wrapped by the argument parser before dispatch. It lives until backward.
+            sid = self._tracker.register(t)
+        self._roles.mark(sid, Category.ACTIVATIONS)
         return t
+
+    def register_kept(self, t: torch.Tensor) -> None:
+        """Count a tensor made outside any op that autograd will keep for backward (an activation)."""
+        sid = self._tracker.register(t)
+        self._roles.mark(sid, Category.ACTIVATIONS)
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         if p.grad is not None:
@@ -181,7 +217,7 @@ class Tracer:
 
     # -- context --------------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        from torch.distributed._tools.mod_tracker import ModTracker
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         stack = self._stack
         stack.enter_context(self._tracker)
@@ -190,6 +226,7 @@ class Tracer:
         root = type(self.model).__name__
         for name, mod in self.model.named_modules():
             mod_names[id(mod)] = f"{root}.{name}" if name else root
+        self._module_names = mod_names
         for mod in self.model.modules():
             for p in mod.parameters(recurse=False):
                 self._param_module.setdefault(id(p), mod_names[id(mod)])
@@ -207,13 +244,13 @@ class Tracer:
         handle = self.optimizer.register_step_post_hook(self._step_hook)
         stack.callback(handle.remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
-        self._mod_tracker = stack.enter_context(ModTracker())
+        stack.callback(register_module_forward_pre_hook(self._pre_forward).remove)
+        stack.callback(register_module_forward_hook(self._post_forward, always_call=True).remove)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
         self.trace.role = dict(self._roles.role)
-        self._mod_tracker = None
 
 
 # -- building on fake tensors ------------------------------------------------------------------
@@ -274,7 +311,7 @@ def trace_workload(
             scratch than the multi-tensor kernels a GPU runs.
     """
     from ..checkpointing import apply_checkpointing
-    from .compat import library_compat
+    from .compat import counted_rng_states, library_compat
     from .steps import default_dtype
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -295,7 +332,7 @@ def trace_workload(
 
     tracer = Tracer(model, optimizer, kernels)
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
-    with library_compat(), fake_mode, emulate, tracer:
+    with library_compat(), fake_mode, emulate, tracer, counted_rng_states(tracer.register_kept):
         run_steps(
             model,
             optimizer,

@@ -1,0 +1,141 @@
+"""On the CPU, ``batchfit.estimate`` is the allocator's peak to the byte: the estimator's definition of done.
+
+Ground truth is ``measure_cpu_peak``: the same two training steps run for real under the CPU profiler,
+whose allocator events are summed (``memory/measure.py``). Everything goes through the public API, on
+small shapes; the peak still moves between the backward pass and the optimizer step across the batch
+sizes used, so both are checked.
+
+A known gap is written down as a strict xfail (it turns into an XPASS failure once fixed, so the
+marker cannot outlive the bug); their causes were found by diffing the trace's events (``trace.op``)
+against the profiler's ``[memory]`` events attributed to ops, phase by phase.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import batchfit
+from batchfit import presets
+from batchfit.memory.measure import measure_cpu_peak
+from batchfit.models import hf
+
+needs_hf = pytest.mark.skipif(not hf.available(), reason="transformers is not installed")
+
+SHAPES: dict[str, dict] = {
+    "mlp": {},
+    "cnn": dict(image_size=16, width=4, stages=2, blocks=1),
+    "gpt": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32),
+    "hf-bert-large": dict(layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, vocab_size=256,
+                          seq_len=32),
+    "hf-llama-7b": dict(layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+                        seq_len=32),
+    "hf-gpt2": dict(layers=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32),
+}  # fmt: skip
+MATRIX = ("mlp", "cnn", "gpt", "hf-bert-large", "hf-llama-7b")
+BATCHES = (1, 3, 8)
+PRECISIONS = ("fp32", "bf16")
+
+# Python numbers given to an op where it takes a tensor become 0-d host tensors (8 bytes for a float)
+# before dispatch, so no dispatch mode sees them, and autograd saves them without calling the
+# saved-tensor hooks (wrapped numbers are exempt). When backward needs one (``x * 0.5``, GPT-2's
+# ``gelu_new``, BERT's eager ``* scaling``), the real step holds 8 bytes per such op from forward to
+# backward that the trace never records.
+WRAPPED_NUMBERS = pytest.mark.xfail(
+    strict=True, reason="0-d tensors autograd saves for Python numbers are invisible to the trace (8 B each)"
+)
+
+
+def _cases() -> list:
+    cases = []
+    for name in MATRIX:
+        for precision in PRECISIONS:
+            for b in BATCHES:
+                marks = [needs_hf] if name.startswith("hf-") else []
+                cases.append(pytest.param(name, precision, b, marks=marks, id=f"{name}-{precision}-b{b}"))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def workloads() -> dict[str, batchfit.Workload]:
+    return {}
+
+
+def _workload(cache: dict, name: str) -> batchfit.Workload:
+    if name not in cache:
+        cache[name] = presets.get(name, **SHAPES[name])
+    return cache[name]
+
+
+@pytest.mark.parametrize("name, precision, b", _cases())
+def test_estimate_is_the_measured_peak(workloads: dict, name: str, precision: str, b: int) -> None:
+    wl = _workload(workloads, name)
+    est = batchfit.estimate(wl, b, device="cpu", precision=precision)
+    # The breakdown and the per-module attribution are two partitions of the same live bytes.
+    assert sum(est.breakdown.values()) == est.peak_allocated_bytes
+    assert sum(est.per_module.values()) == est.peak_allocated_bytes
+    assert est.peak_reserved_bytes == est.device_total_bytes == est.peak_allocated_bytes  # no cache on the CPU
+    assert est.peak_allocated_bytes - measure_cpu_peak(wl, b, precision=precision) == 0
+
+
+@needs_hf
+@WRAPPED_NUMBERS
+def test_saved_python_numbers_are_counted(workloads: dict) -> None:
+    # GPT-2's gelu_new multiplies by three Python floats per layer; at batch 3 the peak is in backward.
+    wl = _workload(workloads, "hf-gpt2")
+    assert batchfit.estimate(wl, 3, device="cpu").peak_allocated_bytes == measure_cpu_peak(wl, 3)
+
+
+GPT_ACTIVATION_BOUND = 16
+"""A batch at which activations are the largest category of the gpt shape above (checked below)."""
+
+
+def test_checkpointing_blocks_lowers_activations(workloads: dict) -> None:
+    wl = _workload(workloads, "gpt")
+    plain = batchfit.estimate(wl, GPT_ACTIVATION_BOUND, device="cpu")
+    ckpt = batchfit.estimate(wl, GPT_ACTIVATION_BOUND, device="cpu", checkpointing="blocks")
+    assert max(plain.breakdown, key=plain.breakdown.__getitem__) == "activations"
+    assert ckpt.checkpointing and not plain.checkpointing
+    # Only the two blocks' inputs stay saved across the blocks; everything inside is recomputed.
+    assert ckpt.breakdown["activations"] * 10 < plain.breakdown["activations"]
+    assert ckpt.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert sum(ckpt.breakdown.values()) == ckpt.peak_allocated_bytes
+
+
+def test_checkpointing_blocks_is_exact(workloads: dict) -> None:
+    wl = _workload(workloads, "gpt")
+    est = batchfit.estimate(wl, GPT_ACTIVATION_BOUND, device="cpu", checkpointing="blocks")
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, GPT_ACTIVATION_BOUND, checkpointing="blocks")
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_bf16_true_halves_parameter_bytes(workloads: dict, name: str) -> None:
+    # Both have only floating-point parameters and no buffers, so every parameter byte halves.
+    wl = _workload(workloads, name)
+    fp32 = batchfit.estimate(wl, 3, device="cpu", precision="fp32")
+    bf16 = batchfit.estimate(wl, 3, device="cpu", precision="bf16-true")
+    n_params = sum(p.numel() for p in wl.build_model().parameters())
+    assert fp32.breakdown["parameters"] == 4 * n_params
+    assert bf16.breakdown["parameters"] * 2 == fp32.breakdown["parameters"]
+    assert bf16.precision == "bf16-true"
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp", "cnn"])
+def test_bf16_true_is_exact(workloads: dict, name: str) -> None:
+    # gpt's batch is integer token ids, so no default-dtype factory op is replayed.
+    wl = _workload(workloads, name)
+    est = batchfit.estimate(wl, 3, device="cpu", precision="bf16-true")
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, 3, precision="bf16-true")
+
+
+def test_shapes_reach_both_peak_phases(workloads: dict) -> None:
+    # The file would prove little if every case peaked in the same place: the gpt shape peaks in the
+    # optimizer step at batch 1 (parameters + grads + states) and in backward at batch 8 (logits' grads).
+    wl = _workload(workloads, "gpt")
+    assert batchfit.estimate(wl, 1, device="cpu").peak_phase == "optimizer"
+    assert batchfit.estimate(wl, 8, device="cpu").peak_phase == "backward"
+
+
+def test_measurement_does_not_depend_on_values(workloads: dict) -> None:
+    # The ground truth must not depend on the data (another seed, other values), or "0 bytes" means little.
+    wl = _workload(workloads, "cnn")
+    assert measure_cpu_peak(wl, 3) == measure_cpu_peak(wl, 3, seed=1)
