@@ -22,6 +22,17 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..errors import ConfigError
 from .gpt import token_loss
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+"""Attention implementations every preset with attention can be built with (``attn_implementation=``).
+
+``sdpa`` (the default here, and transformers' own where the model supports it) calls
+``scaled_dot_product_attention``, which CUDA runs as a flash / memory-efficient kernel keeping no T x T
+matrix. ``eager`` is the explicit matmul, softmax, dropout and matmul, which keeps the B x H x T x T
+probabilities and their dropout mask for backward, as every model did before transformers adopted SDPA:
+measurements published with older versions are reproduced with it. A name registered with
+``transformers.AttentionInterface`` is accepted too (see ``registered_attention``).
+"""
+
 
 @dataclass(frozen=True)
 class HFSpec:
@@ -48,6 +59,7 @@ class HFSpec:
     dropout: float = 0.0
     """The published value of every field in ``dropout_fields``."""
     sdpa: bool = True
+    """Whether the model has an attention to choose: ``attn_implementation`` (sdpa by default) is then a knob."""
     end_token_fields: tuple[str, ...] = ()
     """Special-token id fields set to the last token of the vocabulary, which is where GPT-2 keeps them."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,7 +132,8 @@ def knobs(name: str) -> dict[str, tuple[type, Any]]:
     """The overrides preset ``name`` accepts besides optimizer and lr: (type, default) by name.
 
     Every published shape field, ``layers`` (sets ``layer_field``), ``seq_len`` or ``image_size``,
-    ``dropout`` where the config has dropout, and ``pad`` (padded synthetic items) for causal LMs.
+    ``dropout`` where the config has dropout, ``attn_implementation`` where the model has attention to
+    choose (see ``ATTN_IMPLEMENTATIONS``), and ``pad`` (padded synthetic items) for causal LMs.
     """
     spec = SPECS[name]
     out: dict[str, tuple[type, Any]] = {k: (type(v), v) for k, v in spec.shape.items()}
@@ -128,6 +141,8 @@ def knobs(name: str) -> dict[str, tuple[type, Any]]:
     out.setdefault("image_size" if spec.kind == "image-cls" else "seq_len", (int, spec.length))
     if spec.dropout_fields:
         out["dropout"] = (float, spec.dropout)
+    if spec.sdpa:
+        out["attn_implementation"] = (str, ATTN_IMPLEMENTATIONS[0])
     if spec.kind == "causal-lm":
         out["pad"] = (bool, False)
     return out
@@ -138,9 +153,16 @@ def config_fields(name: str, cfg: dict[str, Any], overrides: Mapping[str, Any]) 
 
     Raises:
         ConfigError: heads that do not divide the width, a sequence longer than the positions given,
-            an image size that is not a multiple of the patch size, or a config transformers rejects.
+            an image size that is not a multiple of the patch size, an unknown attention implementation,
+            or a config transformers rejects.
     """
     spec = SPECS[name]
+    attn = cfg.get("attn_implementation")
+    if attn is not None and attn not in ATTN_IMPLEMENTATIONS and attn not in registered_attention():
+        raise ConfigError(
+            f"preset {name!r}: attn_implementation={attn!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+            "nor a function registered with transformers.AttentionInterface"
+        )
     layers = cfg.pop("layers")
     if layers is not None:
         if spec.layer_field in overrides:
@@ -164,11 +186,27 @@ def config_fields(name: str, cfg: dict[str, Any], overrides: Mapping[str, Any]) 
         raise ConfigError(f"preset {name!r}: image_size={cfg['image_size']} is not a multiple of patch_size")
     fields = {k: cfg[k] for k in spec.shape}
     fields.update({f: cfg["dropout"] for f in spec.dropout_fields})
+    if attn is not None:
+        fields["attn_implementation"] = attn
     try:
         make_config(spec, fields)  # fail here, naming the preset, rather than when tracing
     except (TypeError, ValueError) as e:
         raise ConfigError(f"preset {name!r}: transformers rejected the configuration: {e}") from e
     return fields
+
+
+def registered_attention() -> list[str]:
+    """Attention functions registered with ``transformers.AttentionInterface`` (an empty list without it).
+
+    A model can be built with any of them (``attn_implementation=<name>``): that is how a different
+    attention kernel, or the attention of an older library version, is estimated without changing the
+    model's code.
+    """
+    if not available():
+        return []
+    from transformers import AttentionInterface
+
+    return list(AttentionInterface().valid_keys())
 
 
 def available() -> bool:
@@ -226,7 +264,7 @@ def make_config(spec: HFSpec, fields: dict[str, Any]) -> Any:
     if spec.kind == "causal-lm":
         kwargs["use_cache"] = False
     if spec.sdpa:
-        kwargs["attn_implementation"] = "sdpa"
+        kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATIONS[0])
     return getattr(transformers, spec.config_class)(**kwargs)
 
 

@@ -1,0 +1,186 @@
+"""How fast the trace is: two training steps of Llama-2-7B (6.7B parameters) at batch 1, sequence 4096.
+
+Both sides run the same two steps (same model built under ``FakeTensorMode``, same AdamW with foreach as a
+CUDA device resolves it, same batch, bf16 autocast) in a fresh subprocess each, so that each peak RSS
+(``resource.getrusage(...).ru_maxrss``) belongs to one tool only:
+
+* ours: ``batchfit.memory.trace.trace_workload`` called as ``batchfit.estimate`` calls it for an
+  A100-80GB in bf16 (CUDA kernel model and emulation), and the whole ``estimate()`` (trace + allocator
+  replay) beside it;
+* ``torch.distributed._tools.mem_tracker.MemTracker``, PyTorch's own tracker, used as its docstring
+  says (``track_external`` before use, ``reset_mod_stats()`` between iterations).
+
+Targets: ours <= 4 s and <= 1.5 GiB RSS, and >= 5x faster than MemTracker. The two peaks differ by
+design: ours includes the CUDA corrections (cuBLAS workspaces, CUDA's autocast fp32 list) that a plain
+fake-CPU run does not have.
+
+Run: ``.venv/bin/python benchmarks/trace_speed.py`` (a few minutes: MemTracker is the slow side).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PRESET = "hf-llama-7b"
+BATCH_SIZE = 1
+DEVICE = "A100-80GB"
+PRECISION = "bf16"
+RUNS = 3
+"""Timed runs per tool (the median is reported); each tool also gets one untimed warm-up run."""
+TARGET_SECONDS = 4.0
+TARGET_RSS_GIB = 1.5
+TARGET_SPEEDUP = 5.0
+GiB = 2**30
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _ours() -> dict[str, Any]:
+    """Worker: our trace (as ``estimate`` runs it) and the full ``estimate``, timed."""
+    import batchfit
+    from batchfit import presets
+    from batchfit.devices import get_device
+    from batchfit.memory.cuda import CudaKernels, cuda_emulation
+    from batchfit.memory.estimate import read_peak
+    from batchfit.memory.trace import trace_workload
+    from batchfit.precision import policy_for
+
+    workload = presets.get(PRESET)
+    device = get_device(DEVICE)
+    policy = policy_for(PRECISION, bf16_supported=device.bf16)
+
+    def trace() -> Any:
+        return trace_workload(
+            workload,
+            BATCH_SIZE,
+            param_dtype=policy.param_dtype,
+            autocast=policy.autocast("cpu"),
+            kernels=CudaKernels(device),
+            emulation=cuda_emulation(policy),
+            foreach_optimizer=True,
+        )
+
+    trace()  # warm-up: imports, first-call caches
+    trace_times, estimate_times = [], []
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        result = trace()
+        trace_times.append(time.perf_counter() - start)
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        est = batchfit.estimate(workload, BATCH_SIZE, device=device, precision=PRECISION)
+        estimate_times.append(time.perf_counter() - start)
+    return {
+        "trace_seconds": trace_times,
+        "estimate_seconds": estimate_times,
+        "peak_bytes": read_peak(result, rounded=False).peak_bytes,
+        "estimate_peak_bytes": est.peak_allocated_bytes,
+        "events": len(result.events),
+        "max_rss_bytes": _max_rss_bytes(),
+    }
+
+
+def _memtracker() -> dict[str, Any]:
+    """Worker: the same two steps under PyTorch's ``MemTracker``, on the same fake model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from batchfit import presets
+    from batchfit.memory.compat import library_compat
+    from batchfit.memory.steps import run_steps
+    from batchfit.precision import policy_for
+    from batchfit.workload import trainable_parameters
+
+    workload = presets.get(PRESET)
+    policy = policy_for(PRECISION)
+
+    def run() -> int:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            model = workload.build_model()
+            optimizer = workload.optimizer(trainable_parameters(model))
+        model.train()
+        for group in optimizer.param_groups:  # what a CUDA device resolves foreach=None to, as ours does
+            group["foreach"] = True
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+
+        def mark(phase: str, step: int) -> None:
+            if phase == "batch" and step > 0:
+                tracker.reset_mod_stats()  # MemTracker's per-module stats are per iteration
+
+        with library_compat(), fake_mode, tracker:
+            run_steps(model, optimizer, lambda: workload.batch(BATCH_SIZE), workload.loss, steps=2,
+                      autocast=policy.autocast("cpu"), mark=mark)  # fmt: skip
+        peak = tracker.get_tracker_snapshot("peak")
+        return max(snap["Total"] for snap in peak.values())
+
+    run()  # warm-up, as for ours
+    times, peak = [], 0
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        peak = run()
+        times.append(time.perf_counter() - start)
+    return {"seconds": times, "peak_bytes": peak, "max_rss_bytes": _max_rss_bytes()}
+
+
+def _in_subprocess(worker: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", worker],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    """Run both workers, print the table; 1 if a target is missed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    ours = _in_subprocess("ours")
+    theirs = _in_subprocess("memtracker")
+    trace_s = statistics.median(ours["trace_seconds"])
+    estimate_s = statistics.median(ours["estimate_seconds"])
+    mt_s = statistics.median(theirs["seconds"])
+    speedup = mt_s / trace_s
+
+    table = Table(title=f"{PRESET}, batch {BATCH_SIZE}, two training steps on fake tensors ({PRECISION} autocast)")
+    for col in ("tool", "median s", "runs (s)", "vs MemTracker", "peak RSS GiB", "traced peak GiB"):
+        table.add_column(col, justify="left" if col == "tool" else "right")
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    table.add_row("batchfit trace_workload", f"{trace_s:.2f}", fmt(ours["trace_seconds"]), f"{speedup:.1f}x faster",
+                  f"{ours['max_rss_bytes'] / GiB:.2f}", f"{ours['peak_bytes'] / GiB:.2f}")  # fmt: skip
+    table.add_row("batchfit.estimate (trace + allocator)", f"{estimate_s:.2f}", fmt(ours["estimate_seconds"]),
+                  f"{mt_s / estimate_s:.1f}x faster", "(same process)",
+                  f"{ours['estimate_peak_bytes'] / GiB:.2f} ({DEVICE}, rounded)")  # fmt: skip
+    table.add_row("torch MemTracker", f"{mt_s:.2f}", fmt(theirs["seconds"]), "1.0x",
+                  f"{theirs['max_rss_bytes'] / GiB:.2f}", f"{theirs['peak_bytes'] / GiB:.2f}")  # fmt: skip
+    console = Console(width=150)
+    console.print(table)
+    checks = {
+        f"trace <= {TARGET_SECONDS:.0f} s": trace_s <= TARGET_SECONDS,
+        f"RSS <= {TARGET_RSS_GIB} GiB": ours["max_rss_bytes"] <= TARGET_RSS_GIB * GiB,
+        f">= {TARGET_SPEEDUP:.0f}x faster than MemTracker": speedup >= TARGET_SPEEDUP,
+    }
+    console.print("  ".join(f"{name}: {'ok' if ok else '[red]missed[/red]'}" for name, ok in checks.items()))
+    console.print(
+        f"peaks differ by {abs(ours['peak_bytes'] - theirs['peak_bytes']) / GiB:.2f} GiB: ours models CUDA "
+        "(cuBLAS workspaces, CUDA autocast's fp32 ops), MemTracker sees the fake-CPU kernels as they are."
+    )
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(_ours() if sys.argv[2] == "ours" else _memtracker()))
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The CUDA kernel model (``memory/cuda.py``): one test per correction of its NOTE, with exact bytes.
+
+Each test traces a tiny model the way ``batchfit.estimate`` does for a device (``trace_for_device``) and
+compares what the corrections keep against byte counts derived here from the shapes. Sizes are
+multiples of 512 bytes so that the CUDA allocator's rounding (``round_size``) does not blur them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batchfit
+from batchfit import Workload
+from batchfit.devices import get_device
+from batchfit.memory.allocator import round_size
+from batchfit.memory.categories import Category
+from batchfit.memory.estimate import trace_for_device
+from batchfit.memory.trace import MemoryTrace
+from batchfit.precision import policy_for
+
+B, D = 512, 64  # rows and width of the small models: B*D fp32 = 128 KiB
+F32, BF16, BOOL = 4, 2, 1  # bytes per element
+
+
+def trace(workload: Workload, batch_size: int, device: str, precision: str = "fp32") -> tuple[MemoryTrace, bool]:
+    """The trace ``estimate`` makes for ``device``, and whether its sizes are rounded (CUDA)."""
+    dev = get_device(device)
+    policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
+    return trace_for_device(workload, batch_size, dev, policy, ()), not dev.exact
+
+
+def _size(t: MemoryTrace, sid: int, rounded: bool) -> int:
+    return round_size(t.nbytes[sid]) if rounded else t.nbytes[sid]
+
+
+def _phase_bounds(t: MemoryTrace, phase: str, step: int) -> tuple[int, int]:
+    starts = [i for i, _, _ in t.phases]
+    start = next(i for i, p, s in t.phases if (p, s) == (phase, step))
+    later = [i for i in starts if i > start]
+    return start, min(later) if later else len(t.events)
+
+
+def _alive_before(t: MemoryTrace, index: int) -> set[int]:
+    alive: set[int] = set()
+    for e in t.events[:index]:
+        if e >= 0:
+            alive.add(e)
+        else:
+            alive.discard(~e)
+    return alive
+
+
+def saved_bytes(workload: Workload, batch_size: int, device: str, precision: str = "fp32") -> int:
+    """Bytes autograd holds for backward when the steady-state (second) backward starts."""
+    t, rounded = trace(workload, batch_size, device, precision)
+    start, _ = _phase_bounds(t, "backward", 1)
+    return sum(_size(t, s, rounded) for s in _alive_before(t, start) if t.role.get(s) == Category.ACTIVATIONS)
+
+
+def _sum_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().sum()  # SumBackward keeps nothing, so only the model's saved tensors count
+
+
+# -- 1. dropout ---------------------------------------------------------------------------------
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(D, D), nn.Dropout(0.1), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(self.fc1(x)))
+
+
+def test_dropout_keeps_a_one_byte_mask_on_cuda() -> None:
+    wl = Workload(model=DropoutNet, batch=lambda b: torch.randn(b, D), loss=_sum_loss)
+    # fc2 keeps the dropped activations (B*D fp32) on both devices. The CPU's composite dropout keeps
+    # its mask in the input's dtype (B*D fp32); CUDA's fused native_dropout keeps a bool mask (B*D bytes).
+    assert saved_bytes(wl, B, "cpu") == B * D * F32 + B * D * F32
+    assert saved_bytes(wl, B, "A100-40GB") == B * D * F32 + B * D * BOOL
+
+
+# -- 2. attention -------------------------------------------------------------------------------
+T, H, HEAD = 64, 2, 32  # sequence, heads, head size
+E = H * HEAD
+
+
+class Attention(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.qkv = nn.Linear(E, 3 * E, bias=False)
+        self.proj = nn.Linear(E, E, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, HEAD).permute(2, 0, 3, 1, 4)  # 3 x (b, h, t, head)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)  # (b, h, t, head)
+        return self.proj(y.transpose(1, 2).reshape(b, t, E))  # (b, t, e)
+
+
+def _attention(dropout: float) -> Workload:
+    return Workload(model=lambda: Attention(dropout), batch=lambda b: torch.randn(b, T, E), loss=_sum_loss)
+
+
+def test_attention_with_dropout_keeps_no_t_by_t_matrix_on_cuda() -> None:
+    b = 2
+    bhtt, bhtd, bht = b * H * T * T, b * H * T * HEAD, b * H * T
+    # CUDA's flash / memory-efficient kernels keep q, k, v (one qkv projection), the output and a fp32
+    # log-sum-exp, and regenerate dropout from a seed: dropout changes nothing.
+    flash = (b * T * 3 * E + bhtd + bht) * F32
+    assert saved_bytes(_attention(0.1), b, "A100-40GB") == flash
+    assert saved_bytes(_attention(0.0), b, "A100-40GB") == flash
+    # The CPU falls back to the math path whenever there is dropout: softmax probabilities, the fp32
+    # dropout mask and the dropped probabilities (three B*H*T*T tensors), plus copies of the scaled
+    # q and k, of v and of the output for the projection.
+    math = (3 * bhtt + 4 * bhtd) * F32
+    assert saved_bytes(_attention(0.1), b, "cpu") == math
+    assert math - flash == (3 * bhtt + 3 * bhtd - b * T * 3 * E - bht) * F32  # what the correction removes
+
+
+# -- 3. autocast --------------------------------------------------------------------------------
+class NormSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln = nn.Linear(D, D, bias=False), nn.LayerNorm(D)
+        self.fc2, self.fc3 = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.softmax(self.fc2(self.ln(self.fc1(x))), dim=-1))
+
+
+def test_autocast_bf16_runs_layer_norm_and_softmax_in_fp32_on_cuda() -> None:
+    wl = Workload(model=NormSoftmax, batch=lambda b: torch.randn(b, D), loss=_sum_loss)
+    common = (
+        B * D * BF16  # fc1's input, cast to bf16
+        + 2 * B * F32  # layer norm's mean and rstd
+        + 2 * D * D * BF16  # the autocast copies of fc2's and fc3's weights (fc1's input needs no grad)
+    )
+    # CPU autocast runs both in bf16: layer norm keeps its bf16 input, fc2 the bf16 norm output, and the
+    # softmax output (bf16) is also fc3's input.
+    assert saved_bytes(wl, B, "cpu", "bf16") == common + 3 * B * D * BF16
+    # CUDA autocast (fp32 list, fp32_set_opt_dtype): layer norm keeps a fp32 copy of its input, its
+    # fp32 output is cast back to bf16 for fc2; softmax keeps a fp32 output, cast to bf16 for fc3.
+    cuda = common + B * D * F32 + B * D * BF16 + B * D * F32 + B * D * BF16
+    assert saved_bytes(wl, B, "A100-40GB", "bf16") == cuda
+
+
+# -- 4. cuBLAS workspaces -----------------------------------------------------------------------
+@pytest.mark.parametrize("device, per_handle", [("A100-40GB", 8_519_680), ("H100-80GB", 32 * 2**20)])
+def test_one_cublas_workspace_per_handle(device: str, per_handle: int) -> None:
+    wl = Workload(model=DropoutNet, batch=lambda b: torch.randn(b, D), loss=_sum_loss)
+    t, _ = trace(wl, 8, device)
+    workspaces = sorted(op for op in t.op.values() if op.startswith("cuBLAS workspace"))
+    assert workspaces == ["cuBLAS workspace (autograd thread)", "cuBLAS workspace (main thread)"]
+    assert get_device(device).cublas_handles == len(workspaces)
+    sizes = {t.nbytes[sid] for sid, op in t.op.items() if op.startswith("cuBLAS workspace")}
+    assert sizes == {per_handle}
+    est = batchfit.estimate(wl, 8, device=device)
+    assert est.workspace_bytes == 2 * per_handle
+    assert not any(op.startswith("cuBLAS") for op in trace(wl, 8, "cpu")[0].op.values())
+
+
+# -- 5. foreach optimizer -----------------------------------------------------------------------
+N_LAYERS = 4
+
+
+def _layers() -> nn.Module:
+    return nn.Sequential(*(nn.Linear(D, D, bias=False) for _ in range(N_LAYERS)))
+
+
+def optimizer_scratch(device: str) -> tuple[int, set[str]]:
+    """Peak temporaries during the second optimizer step above those live when it starts; foreach ops."""
+    wl = Workload(model=_layers, batch=lambda b: torch.randn(b, D), loss=_sum_loss)  # AdamW, foreach=None
+    t, rounded = trace(wl, 8, device)
+    start, end = _phase_bounds(t, "optimizer", 1)
+    live = peak = 0
+    for e in t.events[start:end]:
+        sid = e if e >= 0 else ~e
+        if t.role.get(sid) == Category.TEMPORARIES:
+            live += _size(t, sid, rounded) if e >= 0 else -_size(t, sid, rounded)
+            peak = max(peak, live)
+    return peak, {op for op in t.op.values() if op.startswith("aten._foreach")}
+
+
+def test_optimizer_runs_foreach_on_cuda_only() -> None:
+    param = D * D * F32
+    # On a CUDA device torch resolves foreach=None to the multi-tensor AdamW: _foreach_sqrt makes one
+    # temporary per parameter, the whole group at once.
+    peak, foreach = optimizer_scratch("A100-40GB")
+    assert peak == N_LAYERS * param
+    assert "aten._foreach_sqrt.default" in foreach
+    # On the CPU it is the per-parameter loop: sqrt and its division for one parameter, while the
+    # previous parameter's ``denom`` is still referenced (plus a few bytes of scalar scratch).
+    peak, foreach = optimizer_scratch("cpu")
+    assert not foreach
+    assert 3 * param <= peak < 3 * param + 512 < N_LAYERS * param
