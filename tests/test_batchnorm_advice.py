@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,14 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from batchfit.advice.batchnorm import BatchNormWarning, batchnorm_advice, batchnorm_layers, warn_batchnorm
 from batchfit.train.trainer import Trainer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny ops: one thread is faster and immune to other processes' load on a shared CPU.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cnn() -> nn.Module:

@@ -139,3 +139,20 @@ def test_hf_adamw_is_adamw_and_steps_once_per_window(calibration: ModuleType) ->
         ref.step()
         assert torch.allclose(ours_p, ref_p) and torch.count_nonzero(ours_p.grad) == 0
         window.zero_()
+
+
+def test_attn_implementation_override(calibration: ModuleType) -> None:
+    from batchfit import ConfigError, presets
+
+    tiny = dict(layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64, seq_len=8)
+    assert presets.get("hf-bert-large", **tiny).build_model().config._attn_implementation == "sdpa"
+    eager = presets.get("hf-bert-large", attn_implementation="eager", **tiny)
+    assert eager.config["attn_implementation"] == "eager"
+    assert eager.build_model().config._attn_implementation == "eager"
+    calibration.register_legacy_attention()  # a function registered with transformers is accepted by name
+    legacy = presets.get("hf-bert-large", attn_implementation=calibration.LEGACY_ATTENTION, **tiny)
+    assert legacy.build_model().config._attn_implementation == calibration.LEGACY_ATTENTION
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        presets.get("hf-bert-large", attn_implementation="flash", **tiny)
+    with pytest.raises(ConfigError, match="unknown override"):
+        presets.get("hf-resnet50", attn_implementation="eager")  # no attention to choose

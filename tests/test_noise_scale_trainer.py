@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,13 +25,7 @@ IGNORE = -100
 VOCAB = 11
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny ops: one thread is faster and immune to other processes' load on a shared CPU.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- B_simple on linear regression ---------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,12 +21,7 @@ from batchfit.train.trainer import Trainer
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fake_oom() -> torch.OutOfMemoryError:

@@ -78,6 +78,23 @@ def test_make_splits_sum_to_the_global_batch_never_exceed_the_max_and_are_equal_
                     assert splits == [[micro] * steps] * gpus, (global_batch_size, gpus, max_micro, splits)
 
 
+def test_make_splits_for_fsdp_give_every_rank_the_busiest_rank_s_count_whenever_each_share_can_fill_it() -> None:
+    """Under FSDP every micro-batch is a collective, so ranks must run equally many of them."""
+    for gpus in range(1, 9):
+        for global_batch_size in range(gpus, 301):
+            shares = rank_shares(global_batch_size, gpus)
+            for max_micro in MAX_MICROS:
+                splits = make_splits(global_batch_size, gpus, max_micro, same_count=True)
+                assert [sum(s) for s in splits] == shares
+                assert all(1 <= m <= max_micro for s in splits for m in s)
+                busiest = ceil_div(shares[0], max_micro)  # the fewest micro-batches the largest share needs
+                if all(share >= busiest for share in shares):
+                    assert [len(s) for s in splits] == [busiest] * gpus
+                    assert all(max(s) - min(s) <= 1 for s in splits)
+                else:  # one item per micro-batch cannot be evened out without an empty micro-batch
+                    assert splits == make_splits(global_batch_size, gpus, max_micro)
+
+
 # -- plan end to end ----------------------------------------------------------------------------------
 def test_plan_of_the_docstring_example() -> None:
     p = plan("mlp", 300, device="1GiB", gpus=3)

@@ -36,7 +36,7 @@ def cuda_step_fits(
     happened, so the next attempt starts from the same state.
     """
     from .checkpointing import apply_checkpointing
-    from .memory.steps import default_dtype, run_steps
+    from .memory.steps import default_dtype, run_workload_steps
     from .workload import trainable_parameters
 
     model = optimizer = None
@@ -46,13 +46,15 @@ def cuda_step_fits(
         apply_checkpointing(model, classes)
         optimizer = workload.optimizer(trainable_parameters(model))
 
-        def make_batch() -> Any:
-            from .batching import map_tensors
-
-            with default_dtype(policy.param_dtype):
-                return map_tensors(workload.batch(batch_size), lambda t: t.to("cuda", non_blocking=True))
-
-        run_steps(model, optimizer, make_batch, workload.loss, autocast=policy.autocast("cuda"))
+        run_workload_steps(
+            workload,
+            model,
+            optimizer,
+            batch_size,
+            param_dtype=policy.param_dtype,
+            autocast=policy.autocast("cuda"),
+            move=lambda t: t.to("cuda", non_blocking=True),
+        )
         cuda.synchronize()
         return True
     except torch.OutOfMemoryError:

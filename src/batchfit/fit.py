@@ -175,21 +175,39 @@ def _search_max(search: _Search, verify: Callable[[int], bool]) -> int:
     search.line = line
     if line is not None:
         guess = _largest_predicted(search, line, 3)
+        if guess >= _MAX_BATCH - 1:
+            raise ConfigError(
+                "memory does not grow with the batch size; check that the workload's batch function uses its "
+                "batch_size argument"
+            )
     else:  # the step's code depends on the batch size: double, then bisect, on traces
         lo, hi = 3, 6
-        while search.fits(search.traced(hi)):
+        while hi < _MAX_BATCH and search.fits(search.traced(hi)):
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
         guess = lo
-    # Verify around the guess and step by one where the prediction was off.
-    b = guess
-    while b > 1 and not verify(b):
-        b -= 1
-    while verify(b + 1):
-        b += 1
-    return b
+    return _settle(guess, verify)
+
+
+def _settle(guess: int, verify: Callable[[int], bool]) -> int:
+    """The largest b with ``verify(b)``, starting at the guess: two checks when the guess is right
+    (the guess fits, one more does not), else a gallop away from it and a bisection, O(log error)."""
+    if verify(guess):
+        lo, step = guess, 1
+        while lo + step < _MAX_BATCH and verify(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+    else:
+        hi, step = guess, 1
+        while hi - step >= 1 and not verify(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(1, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if verify(mid) else (lo, mid)
+    return lo
 
 
 def fit(
@@ -308,7 +326,7 @@ def _simulated_step_fits(
 ) -> bool:
     """Run two real steps at ``batch_size`` inside a fresh simulated device; False on its OOM."""
     from .checkpointing import apply_checkpointing
-    from .memory.steps import default_dtype, run_steps
+    from .memory.steps import default_dtype, run_workload_steps
     from .workload import trainable_parameters
 
     with default_dtype(policy.param_dtype):
@@ -321,20 +339,16 @@ def _simulated_step_fits(
             group["foreach"] = True
     sim = SimulatedDevice(capacity, policy=policy)
 
-    def make_batch() -> Any:
-        with default_dtype(policy.param_dtype):
-            return workload.batch(batch_size)
-
     try:
         with sim:
             sim.track(model)
-            run_steps(
+            run_workload_steps(
+                workload,
                 model,
                 optimizer,
-                make_batch,
-                workload.loss,
+                batch_size,
+                param_dtype=policy.param_dtype,
                 autocast=policy.autocast("cpu"),
-                set_grads_to_none=workload.set_grads_to_none,
             )
         return True
     except torch.OutOfMemoryError:

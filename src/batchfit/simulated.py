@@ -61,7 +61,9 @@ class SimulatedDevice:
         if isinstance(capacity, Device) or (isinstance(capacity, str) and not capacity[:1].isdigit()):
             dev = get_device(capacity)  # type: ignore[arg-type]
             if dev.usable_bytes is None:
-                raise ValueError("a simulated device needs a capacity; the cpu has none")
+                from .errors import ConfigError
+
+                raise ConfigError("a simulated device needs a capacity; give a GPU name or one like '8GiB', not cpu")
             self.device = dev
             self.capacity_bytes = dev.usable_bytes
         else:

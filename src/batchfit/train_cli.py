@@ -32,6 +32,7 @@ import torch
 import typer
 
 from .errors import ConfigError
+from .memory.steps import default_dtype
 
 
 class DType(str, Enum):
@@ -85,16 +86,6 @@ def _device(text: str, precision: str) -> tuple[Any, Any]:
     policy = policy_for(precision, bf16_supported=probe.device.bf16, device_name=probe.device.name)
     sim = SimulatedDevice(name, policy=policy)
     return sim, sim
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _save(state: dict[str, Any], path: Path) -> None:
@@ -199,7 +190,7 @@ def train(
     if precision.lower() == "bf16-true":
         model_dtype = torch.bfloat16
     torch.manual_seed(seed)
-    with _default_dtype(model_dtype):
+    with default_dtype(model_dtype):
         model = workload.build_model()
     if isinstance(trainer_device, str) and trainer_device.startswith("cuda"):
         model = model.to(trainer_device)
@@ -214,7 +205,7 @@ def train(
         return torch.arange(start, start + shares[place.rank])
 
     def make_batch(step: int) -> Any:
-        with _default_dtype(model_dtype):
+        with default_dtype(model_dtype):
             return items(rank_ids(step), seed)
 
     rows: list[dict[str, Any]] = []

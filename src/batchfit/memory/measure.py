@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..checkpointing import apply_checkpointing, checkpoint_classes
 from ..precision import policy_for
 from ..workload import Workload, trainable_parameters
-from .steps import default_dtype, run_steps
+from .steps import default_dtype, run_workload_steps
 
 
 @contextlib.contextmanager
@@ -68,9 +68,7 @@ def live_storage_bytes(tensors: Any) -> int:
 
 def profile_peak(prof: Any, start_bytes: int = 0) -> int:
     """The peak of ``start_bytes`` + the running sum of the profiler's ``[memory]`` events."""
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = start_bytes
     for _, n in events:
         live += n
@@ -101,18 +99,14 @@ def measure_cpu_peak(
     optimizer = workload.optimizer(trainable_parameters(model))
     start = live_storage_bytes([*model.parameters(), *model.buffers()])
 
-    def make_batch() -> Any:
-        with default_dtype(policy.param_dtype):
-            return workload.batch(batch_size)
-
     with cpu_memory_profile() as prof:
-        run_steps(
+        run_workload_steps(
+            workload,
             model,
             optimizer,
-            make_batch,
-            workload.loss,
-            steps=steps,
+            batch_size,
+            param_dtype=policy.param_dtype,
             autocast=policy.autocast("cpu"),
-            set_grads_to_none=workload.set_grads_to_none,
+            steps=steps,
         )
     return profile_peak(prof, start)

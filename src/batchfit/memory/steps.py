@@ -40,9 +40,7 @@ def loss_for_backward(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
         total, count = out
         if total.dim() != 0 or not total.is_floating_point():
-            raise ConfigError(
-                f"the loss's loss_sum has shape {tuple(total.shape)}; it must be a scalar float tensor"
-            )
+            raise ConfigError(f"the loss's loss_sum has shape {tuple(total.shape)}; it must be a scalar float tensor")
         if isinstance(count, torch.Tensor):
             if count.dim() != 0:
                 raise ConfigError("the loss's n_items must be an int or a 0-d tensor")
@@ -100,6 +98,44 @@ def run_steps(
         optimizer.zero_grad(set_to_none=set_grads_to_none)
     del batch, loss
     mark("end", steps)
+
+
+def run_workload_steps(
+    workload: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    *,
+    param_dtype: torch.dtype | None,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None,
+    move: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    mark: Marker = _no_marker,
+    steps: int = 2,
+) -> None:
+    """``run_steps`` on a workload's batches of ``batch_size`` (built in ``param_dtype``, then ``move``d).
+
+    The one way every part of batchfit runs a workload's steps: traced, measured, simulated, on a GPU.
+    """
+
+    def make_batch() -> Batch:
+        with default_dtype(param_dtype):
+            batch = workload.batch(batch_size)
+        if move is None:
+            return batch
+        from ..batching import map_tensors
+
+        return map_tensors(batch, move)
+
+    run_steps(
+        model,
+        optimizer,
+        make_batch,
+        workload.loss,
+        steps=steps,
+        autocast=autocast,
+        mark=mark,
+        set_grads_to_none=workload.set_grads_to_none,
+    )
 
 
 @contextlib.contextmanager

@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_flatten
 
 from ..workload import Workload, trainable_parameters
 from .categories import Category
-from .steps import run_steps
 from .tracker import RoleBook, StorageTracker
 
 OUTSIDE = "(outside modules)"
@@ -312,7 +311,7 @@ def trace_workload(
     """
     from ..checkpointing import apply_checkpointing
     from .compat import counted_rng_states, library_compat
-    from .steps import default_dtype
+    from .steps import default_dtype, run_workload_steps
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with default_dtype(param_dtype):
@@ -326,22 +325,18 @@ def trace_workload(
             if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
                 group["foreach"] = True
 
-    def make_batch() -> Any:
-        with default_dtype(param_dtype):
-            return workload.batch(batch_size)
-
     tracer = Tracer(model, optimizer, kernels)
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
     with library_compat(), fake_mode, emulate, tracer, counted_rng_states(tracer.register_kept):
-        run_steps(
+        run_workload_steps(
+            workload,
             model,
             optimizer,
-            make_batch,
-            workload.loss,
-            steps=steps,
+            batch_size,
+            param_dtype=param_dtype,
             autocast=autocast,
             mark=tracer.mark,
-            set_grads_to_none=workload.set_grads_to_none,
+            steps=steps,
         )
     if kernels is not None:
         kernels.finish(tracer.trace)
