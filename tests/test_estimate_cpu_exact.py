@@ -12,7 +12,10 @@ the profiler's ``[memory]`` events attributed to ops, phase by phase.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 import batchfit
 from batchfit import presets
@@ -56,6 +59,27 @@ def _cases() -> list:
     return cases
 
 
+DEFAULT_THREADS = torch.get_num_threads()
+"""torch's intra-op thread count as the test session found it (the number of cores, usually)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Run this file's cases on one intra-op thread, restoring the count afterwards.
+
+    Exactness does not depend on the thread count (the probe measures each signature at the count in
+    force), but on a busy machine two OpenMP threads per process spin against other processes and make
+    every real step several times slower. ``test_exact_with_intra_op_threads`` covers the default count,
+    where kernels keep per-thread scratch (layer norm backward, flash attention).
+    """
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def workloads() -> dict[str, batchfit.Workload]:
     return {}
@@ -76,6 +100,21 @@ def test_estimate_is_the_measured_peak(workloads: dict, name: str, precision: st
     assert sum(est.per_module.values()) == est.peak_allocated_bytes
     assert est.peak_reserved_bytes == est.device_total_bytes == est.peak_allocated_bytes  # no cache on the CPU
     assert est.peak_allocated_bytes - measure_cpu_peak(wl, b, precision=precision) == 0
+
+
+@pytest.mark.parametrize(
+    "name, precision, b",
+    [("gpt", "fp32", 8), ("cnn", "bf16", 3), pytest.param("hf-bert-large", "bf16", 8, marks=needs_hf),
+     pytest.param("hf-llama-7b", "fp32", 8, marks=needs_hf)],
+)  # fmt: skip
+def test_exact_with_intra_op_threads(workloads: dict, name: str, precision: str, b: int) -> None:
+    wl = _workload(workloads, name)
+    torch.set_num_threads(DEFAULT_THREADS)
+    try:
+        est = batchfit.estimate(wl, b, device="cpu", precision=precision)
+        assert est.peak_allocated_bytes == measure_cpu_peak(wl, b, precision=precision)
+    finally:
+        torch.set_num_threads(1)
 
 
 @needs_hf
@@ -122,7 +161,7 @@ def test_bf16_true_halves_parameter_bytes(workloads: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["gpt", "mlp", "cnn"])
 def test_bf16_true_is_exact(workloads: dict, name: str) -> None:
-    # gpt's batch is integer token ids, so no default-dtype factory op is replayed.
+    # mlp's and cnn's batches come from torch.randn in the default dtype (bf16 here); gpt's are token ids.
     wl = _workload(workloads, name)
     est = batchfit.estimate(wl, 3, device="cpu", precision="bf16-true")
     assert est.peak_allocated_bytes == measure_cpu_peak(wl, 3, precision="bf16-true")
