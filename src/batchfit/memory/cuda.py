@@ -41,15 +41,18 @@ from ..devices import Device
 from ..precision import PrecisionPolicy
 
 # -- 4. cuBLAS workspace ----------------------------------------------------------------------------
-_GEMMS = {
-    "aten.mm.default",
-    "aten.addmm.default",
-    "aten.bmm.default",
-    "aten.baddbmm.default",
-    "aten.addmv.default",
-    "aten.mv.default",
-    "aten.addbmm.default",
-}
+_GEMMS = frozenset(
+    op.default
+    for op in (
+        torch.ops.aten.mm,
+        torch.ops.aten.addmm,
+        torch.ops.aten.bmm,
+        torch.ops.aten.baddbmm,
+        torch.ops.aten.addmv,
+        torch.ops.aten.mv,
+        torch.ops.aten.addbmm,
+    )
+)
 
 
 class CudaKernels:
@@ -60,7 +63,7 @@ class CudaKernels:
         self._handles: set[str] = set()
 
     def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
-        if str(func) not in _GEMMS:
+        if func not in _GEMMS:
             return
         # The autograd engine runs backward ops on its own thread, with its own cuBLAS handle.
         in_backward = torch._C._current_autograd_node() is not None

@@ -265,6 +265,7 @@ def trace_for_device(
         kernels=kernels,
         emulation=emulation,
         foreach_optimizer=not device.exact,
+        host_memory_counts=device.exact,
     )
 
 

@@ -293,6 +293,7 @@ def trace_workload(
     kernels: Any = None,
     emulation: Callable[[], contextlib.AbstractContextManager] | None = None,
     foreach_optimizer: bool = False,
+    host_memory_counts: bool = True,
     steps: int = 2,
 ) -> MemoryTrace:
     """Trace ``steps`` training steps of ``workload`` at ``batch_size`` on fake CPU tensors.
@@ -327,7 +328,10 @@ def trace_workload(
 
     tracer = Tracer(model, optimizer, kernels)
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
-    with library_compat(), fake_mode, emulate, tracer, counted_rng_states(tracer.register_kept):
+    # Checkpointing's saved RNG states are CPU tensors: device memory when the device is the CPU, host
+    # memory (not counted) when it is a GPU.
+    rng = counted_rng_states(tracer.register_kept) if host_memory_counts else contextlib.nullcontext()
+    with library_compat(), fake_mode, emulate, tracer, rng:
         run_workload_steps(
             workload,
             model,

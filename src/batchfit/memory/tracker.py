@@ -24,6 +24,8 @@ from torch.utils._pytree import tree_flatten
 
 from .categories import Category, stronger
 
+_PRIM_DEVICE = torch.ops.prim.device.default
+
 AllocHook = Callable[[int, int], None]
 """``(storage_id, nbytes)``: may raise ``torch.OutOfMemoryError`` to refuse the allocation."""
 FreeHook = Callable[[int], None]
@@ -93,6 +95,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is _PRIM_DEVICE:  # a metadata query (about two thirds of all dispatches): no storage
+            return out
         first_new = self._next_id
         self.current_func = func
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
