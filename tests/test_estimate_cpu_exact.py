@@ -5,8 +5,8 @@ whose allocator events are summed (``memory/measure.py``). Everything goes throu
 small shapes; the peak still moves between the backward pass and the optimizer step across the batch
 sizes used, so both are checked.
 
-A known gap is written down as a strict xfail (it turns into an XPASS failure once fixed, so the
-marker cannot outlive the bug). The gaps were found by diffing the trace's events (``trace.op``) against
+Each gap found on the way (module hooks, checkpoint RNG states, Python numbers saved for backward, the
+probe's default dtype) has a case here; they were found by diffing the trace's events (``trace.op``) against
 the profiler's ``[memory]`` events attributed to ops, phase by phase.
 """
 
@@ -38,15 +38,6 @@ MATRIX = ("mlp", "cnn", "gpt", "hf-bert-large", "hf-llama-7b")
 BATCHES = (1, 3, 8)
 PRECISIONS = ("fp32", "bf16")
 
-# Python numbers given to an op where it takes a tensor become 0-d host tensors (8 bytes for a float)
-# before dispatch, so no dispatch mode sees them (``__torch_dispatch__`` gets the Python number back),
-# and autograd saves them without calling the saved-tensor hooks (wrapped numbers are exempt, so a
-# pack hook never sees them either; ``grad_fn._saved_other`` shows the real 0-d float64 tensor). When
-# backward needs one (``x * 0.5``, GPT-2's ``gelu_new``, BERT's eager ``* scaling``), the real step
-# holds 8 bytes per such op from forward to backward that the trace never records.
-WRAPPED_NUMBERS = pytest.mark.xfail(
-    strict=True, reason="0-d tensors autograd saves for Python numbers are invisible to the trace (8 B each)"
-)
 
 
 def _cases() -> list:
@@ -118,7 +109,6 @@ def test_exact_with_intra_op_threads(workloads: dict, name: str, precision: str,
 
 
 @needs_hf
-@WRAPPED_NUMBERS
 def test_saved_python_numbers_are_counted(workloads: dict) -> None:
     # GPT-2's gelu_new multiplies by three Python floats per layer; at batch 3 the peak is in backward.
     wl = _workload(workloads, "hf-gpt2")

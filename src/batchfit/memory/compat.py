@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 
 
 @contextlib.contextmanager
@@ -60,4 +61,49 @@ def library_compat() -> Iterator[None]:
 
             masking.find_packed_sequence_indices = find_packed_sequence_indices
             stack.callback(setattr, masking, "find_packed_sequence_indices", original)
+        yield
+
+
+class _SavedNumbers(TorchFunctionMode):
+    """Counts the Python numbers autograd keeps for backward as 0-d tensors (CPU targets).
+
+    ``x * 0.5`` wraps 0.5 into an 8-byte tensor before dispatch (no dispatch mode sees it), and
+    autograd saves it without calling saved-tensor hooks (wrapped numbers are exempt); the real step
+    holds it until backward. After each torch function given a Python number, the ``_saved_*``
+    tensors of its outputs' autograd nodes that are not fake are such numbers: they are registered.
+    """
+
+    def __init__(self, register: Callable[[Any], Any], own_pack: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self._register = register
+        self._own_pack = own_pack
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not torch.is_grad_enabled() or not any(
+            isinstance(a, (int, float)) and not isinstance(a, bool) for a in (*args, *kwargs.values())
+        ):
+            return out
+        # Reading ``_saved_*`` unpacks every saved tensor; under other saved-tensor hooks (activation
+        # checkpointing's) that would recompute or hold tensors, so only look under the tracer's own.
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] != self._own_pack:
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+            if node is None:
+                continue
+            for name in dir(node):
+                if name.startswith("_saved_"):
+                    value = getattr(node, name, None)
+                    if isinstance(value, torch.Tensor) and value.dim() == 0 and not isinstance(value, FakeTensor):
+                        self._register(value)
+        return out
+
+
+@contextlib.contextmanager
+def counted_saved_numbers(register: Callable[[Any], Any], own_pack: Callable[[Any], Any]) -> Iterator[None]:
+    """While active, Python numbers saved for backward are counted (see ``_SavedNumbers``)."""
+    with _SavedNumbers(register, own_pack):
         yield

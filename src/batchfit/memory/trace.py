@@ -186,6 +186,11 @@ class Tracer:
         self._roles.mark(sid, Category.ACTIVATIONS)
         return t
 
+    @property
+    def saved_pack(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The pack hook the tracer installs (to recognise its own saved-tensor hooks)."""
+        return self._pack
+
     def register_kept(self, t: torch.Tensor) -> None:
         """Count a tensor made outside any op that autograd will keep for backward (an activation)."""
         sid = self._tracker.register(t)
@@ -311,7 +316,7 @@ def trace_workload(
             scratch than the multi-tensor kernels a GPU runs.
     """
     from ..checkpointing import apply_checkpointing
-    from .compat import counted_rng_states, library_compat
+    from .compat import counted_rng_states, counted_saved_numbers, library_compat
     from .steps import default_dtype, run_workload_steps
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -330,8 +335,13 @@ def trace_workload(
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
     # Checkpointing's saved RNG states are CPU tensors: device memory when the device is the CPU, host
     # memory (not counted) when it is a GPU.
-    rng = counted_rng_states(tracer.register_kept) if host_memory_counts else contextlib.nullcontext()
-    with library_compat(), fake_mode, emulate, tracer, rng:
+    # So are the Python numbers autograd keeps as 0-d tensors for backward (CPU tensors as well).
+    rng: Any = contextlib.nullcontext()
+    numbers: Any = contextlib.nullcontext()
+    if host_memory_counts:
+        rng = counted_rng_states(tracer.register_kept)
+        numbers = counted_saved_numbers(tracer.register_kept, tracer.saved_pack)
+    with library_compat(), fake_mode, emulate, tracer, rng, numbers:
         run_workload_steps(
             workload,
             model,
