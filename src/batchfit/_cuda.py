@@ -35,16 +35,11 @@ def cuda_step_fits(
     Everything the attempt allocated is dropped and the cache emptied before returning, whatever
     happened, so the next attempt starts from the same state.
     """
-    from .checkpointing import apply_checkpointing
-    from .memory.steps import default_dtype, run_workload_steps
-    from .workload import trainable_parameters
+    from .memory.steps import build_for_steps, run_workload_steps
 
     model = optimizer = None
     try:
-        with default_dtype(policy.param_dtype):
-            model = workload.build_model().to("cuda")
-        apply_checkpointing(model, classes)
-        optimizer = workload.optimizer(trainable_parameters(model))
+        model, optimizer = build_for_steps(workload, policy.param_dtype, classes, device="cuda")
 
         run_workload_steps(
             workload,

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from .errors import BatchfitError, ConfigError
-from .report_cli import LrRule, report
+from .report_cli import BaseBatchSizeOpt, BaseLrOpt, LrRule, LrRuleOpt, report
 from .train_cli import train
 
 # typer raises its click's exceptions (vendored from typer 0.29 on); find the classes through it.
@@ -222,15 +222,9 @@ def plan_command(
         typer.Option("--checkpointing/--no-checkpointing", help="Fix checkpointing (default: as the ladder needs)."),
     ] = None,
     margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
-    base_lr: Annotated[
-        float | None, typer.Option("--base-lr", help="A learning rate known to work at --base-batch-size.")
-    ] = None,
-    base_batch_size: Annotated[
-        int | None, typer.Option("--base-batch-size", help="The global batch --base-lr was tuned at.")
-    ] = None,
-    lr_rule: Annotated[
-        LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
-    ] = LrRule.auto,
+    base_lr: BaseLrOpt = None,
+    base_batch_size: BaseBatchSizeOpt = None,
+    lr_rule: LrRuleOpt = LrRule.auto,
     context_mib: ContextOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,

@@ -325,18 +325,10 @@ def _simulated_step_fits(
     workload: Any, batch_size: int, capacity: int, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> bool:
     """Run two real steps at ``batch_size`` inside a fresh simulated device; False on its OOM."""
-    from .checkpointing import apply_checkpointing
-    from .memory.steps import default_dtype, run_workload_steps
-    from .workload import trainable_parameters
+    from .memory.steps import build_for_steps, run_workload_steps
 
-    with default_dtype(policy.param_dtype):
-        model = workload.build_model()
-    apply_checkpointing(model, classes)
-    model.train()
-    optimizer = workload.optimizer(trainable_parameters(model))
-    for group in optimizer.param_groups:  # what torch picks for CUDA parameters, as the tracer does
-        if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
-            group["foreach"] = True
+    # foreach: what torch picks for CUDA parameters, as the tracer does
+    model, optimizer = build_for_steps(workload, policy.param_dtype, classes, foreach=True)
     sim = SimulatedDevice(capacity, policy=policy)
 
     try:

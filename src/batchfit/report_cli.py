@@ -26,6 +26,17 @@ class LrRule(str, Enum):
     sqrt = "sqrt"
 
 
+BaseLrOpt = Annotated[
+    float | None, typer.Option("--base-lr", help="A learning rate known to work at --base-batch-size.")
+]
+BaseBatchSizeOpt = Annotated[
+    int | None, typer.Option("--base-batch-size", help="The global batch --base-lr was tuned at.")
+]
+LrRuleOpt = Annotated[
+    LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
+]
+
+
 def _sizes(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -55,15 +66,9 @@ def report(
     ] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="Sequence length (language-model presets).")] = None,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adam or sgd (presets).")] = None,
-    base_lr: Annotated[
-        float | None, typer.Option("--base-lr", help="A learning rate known to work at --base-batch-size.")
-    ] = None,
-    base_batch_size: Annotated[
-        int | None, typer.Option("--base-batch-size", help="The global batch --base-lr was tuned at.")
-    ] = None,
-    lr_rule: Annotated[
-        LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
-    ] = LrRule.auto,
+    base_lr: BaseLrOpt = None,
+    base_batch_size: BaseBatchSizeOpt = None,
+    lr_rule: LrRuleOpt = LrRule.auto,
     sweep: Annotated[bool, typer.Option("--sweep", help="Also measure throughput on this CPU (slower).")] = False,
     sweep_batch_sizes: Annotated[
         str, typer.Option("--sweep-batch-sizes", help="Comma-separated sizes for --sweep.")

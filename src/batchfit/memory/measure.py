@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from ..checkpointing import apply_checkpointing, checkpoint_classes
+from ..checkpointing import checkpoint_classes
 from ..precision import policy_for
-from ..workload import Workload, trainable_parameters
-from .steps import default_dtype, run_workload_steps
+from ..workload import Workload
+from .steps import build_for_steps, run_workload_steps
 
 
 @contextlib.contextmanager
@@ -92,11 +91,9 @@ def measure_cpu_peak(
     """
     policy = policy_for(precision)
     torch.manual_seed(seed)
-    with default_dtype(policy.param_dtype):
-        model: nn.Module = workload.build_model()
-    apply_checkpointing(model, checkpoint_classes(checkpointing, workload.checkpoint_blocks))
-    model.train()
-    optimizer = workload.optimizer(trainable_parameters(model))
+    model, optimizer = build_for_steps(
+        workload, policy.param_dtype, checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    )
     start = live_storage_bytes([*model.parameters(), *model.buffers()])
 
     with cpu_memory_profile() as prof:

@@ -100,6 +100,42 @@ def run_steps(
     mark("end", steps)
 
 
+def prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Resolve ``foreach=None`` ("pick for me") to True, as torch does for CUDA parameters.
+
+    ``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``: the multi-tensor kernels a GPU
+    runs allocate group-sized temporaries that the per-parameter loop CPU tensors get would not.
+    """
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
+            group["foreach"] = True
+
+
+def build_for_steps(
+    workload: Any,
+    param_dtype: torch.dtype | None,
+    checkpoint_classes: tuple[type, ...],
+    *,
+    device: str | None = None,
+    foreach: bool = False,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The workload's real model (in ``param_dtype``, on ``device``, checkpointed, in train mode) and
+    its optimizer: the set-up every real run of ``run_workload_steps`` shares."""
+    from ..checkpointing import apply_checkpointing
+    from ..workload import trainable_parameters
+
+    with default_dtype(param_dtype):
+        model = workload.build_model()
+    if device is not None:
+        model = model.to(device)
+    apply_checkpointing(model, checkpoint_classes)
+    model.train()
+    optimizer = workload.optimizer(trainable_parameters(model))
+    if foreach:
+        prefer_foreach(optimizer)
+    return model, optimizer
+
+
 def run_workload_steps(
     workload: Any,
     model: nn.Module,

@@ -317,7 +317,7 @@ def trace_workload(
     """
     from ..checkpointing import apply_checkpointing
     from .compat import counted_rng_states, counted_saved_numbers, library_compat
-    from .steps import default_dtype, run_workload_steps
+    from .steps import default_dtype, prefer_foreach, run_workload_steps
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with default_dtype(param_dtype):
@@ -327,9 +327,7 @@ def trace_workload(
     with fake_mode:
         optimizer = workload.optimizer(trainable_parameters(model))
     if foreach_optimizer:
-        for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
-                group["foreach"] = True
+        prefer_foreach(optimizer)
 
     tracer = Tracer(model, optimizer, kernels)
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
