@@ -418,13 +418,19 @@ def test_auto_on_the_plain_cpu_runs_the_share_as_one_micro_batch() -> None:
     assert result.micro_batch_sizes == (G,)
 
 
-def test_auto_refuses_a_sharded_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "batchfit.plan", _fake_plan_module([], [[5, 5]], sharded=True))
-    model, optimizer, _ = build(mlp, "sgd-momentum", False)
-    with SimulatedDevice("1GiB") as gpu:
-        trainer = Trainer(model, optimizer, mean_loss, global_batch_size=G, device=gpu)
-        with pytest.raises(ConfigError, match="FSDP"):
-            trainer.step(class_batches(1)[0])
+def test_sharding_is_nothing_to_do_on_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sharded=True`` (or a plan that shards) on a single process trains exactly as without it."""
+    batch = class_batches(1)[0]
+    results = []
+    for sharded in (False, True):
+        monkeypatch.setitem(sys.modules, "batchfit.plan", _fake_plan_module([], [[5, 5]], sharded=sharded))
+        model, optimizer, _ = build(mlp, "sgd-momentum", False)
+        with SimulatedDevice("1GiB") as gpu:
+            trainer = Trainer(model, optimizer, mean_loss, global_batch_size=G, device=gpu, sharded=sharded)
+            result = trainer.step(batch)
+        assert not trainer.sharded and result.micro_batch_sizes == (5, 5)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_auto_with_the_real_plan_on_a_simulated_gpu() -> None:

@@ -1,11 +1,14 @@
 """Several processes (torchrun, gloo on the CPU): the same weights as one process, across resumes and kills.
 
-Every run is a real ``torchrun`` (``python -m torch.distributed.run``) of ``batchfit train`` in float64,
-with ``--standalone`` (a free port, no fixed address) and a timeout on every wait.
+Every run is a real ``torchrun`` (``python -m torch.distributed.run``) of ``batchfit train`` in float64
+(or of ``tests/fsdp_worker.py``), with ``--standalone`` (a free port, no fixed address) and a timeout on
+every wait. DDP by default; ``--shard`` (FSDP's ``fully_shard``) where named.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -56,6 +59,9 @@ def _torchrun(nproc: int, *args: str, restarts: int = 0) -> list[str]:
 
 def _run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(_torchrun(nproc, *args), capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def _max_rel_diff(a: Path, b: Path) -> float:
@@ -177,3 +183,65 @@ def test_bad_checkpoints_and_world_sizes_are_one_line_and_overwrite_nothing(tmp_
     too_many = _run_torchrun(2, "--global-batch-size", "1", "--steps", "1")
     assert too_many.returncode != 0
     assert "cannot share a global batch of 1" in too_many.stderr
+
+
+# -- FSDP (fully_shard) --------------------------------------------------------------------------------
+@pytest.mark.parametrize(("global_batch_size", "micro"), [(31, 7), (5, 1)])
+def test_sharded_training_equals_one_process(tmp_path: Path, global_batch_size: int, micro: int) -> None:
+    """G=31, micro 7: shares 16/15 split 6+5+5 / 5+5+5; G=5, micro 1: rank 1 ends with a padding piece."""
+    args = ("--global-batch-size", str(global_batch_size), "--micro-batch-size", str(micro), "--steps", "3")
+    one = _one_process(*args, "--save", str(tmp_path / "p1.pt"))
+    assert one.returncode == 0, one.stderr
+    two = _run_torchrun(2, *args, "--shard", "--save", str(tmp_path / "p2.pt"))
+    assert two.returncode == 0, two.stderr[-2000:]
+    summary = json.loads(two.stdout)
+    assert summary["sharded"] and summary["world_size"] == 2
+    assert _max_rel_diff(tmp_path / "p1.pt", tmp_path / "p2.pt") <= 1e-12
+
+
+@pytest.mark.parametrize(("first", "second"), [(["--shard"], []), ([], ["--shard", "--micro-batch-size", "auto"])])
+def test_a_sharded_checkpoint_resumes_unsharded_and_back(tmp_path: Path, first: list[str], second: list[str]) -> None:
+    """Checkpoints hold whole states whatever wrote them: FSDP on 2 ranks -> 1 process, and 1 -> FSDP on 2."""
+    ck = tmp_path / "ck.pt"
+    ref = _one_process("--global-batch-size", "9", "--steps", "4", "--save", str(tmp_path / "ref.pt"))
+    assert ref.returncode == 0, ref.stderr
+    nprocs = [2 if "--shard" in first else 1, 2 if "--shard" in second else 1]
+    runs = []
+    for nproc, steps, extra in ((nprocs[0], 2, first), (nprocs[1], 4, second)):
+        args = ("--global-batch-size", "9", "--steps", str(steps), "--checkpoint", str(ck), *extra)
+        args += ("--save", str(tmp_path / "resumed.pt")) if steps == 4 else ()
+        runs.append(_one_process(*args) if nproc == 1 else _run_torchrun(nproc, *args))
+        assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
+    saved = read_checkpoint(ck)
+    assert saved["step"] == 4 and all(isinstance(k, int) for k in saved["optimizer"]["state"])
+    assert _max_rel_diff(tmp_path / "ref.pt", tmp_path / "resumed.pt") <= 1e-12
+
+
+@pytest.mark.parametrize(("global_batch_size", "micro"), [(7, 2), (3, 1)])
+def test_the_sharded_trainer_is_the_large_batch_by_hand(tmp_path: Path, global_batch_size: int, micro: int) -> None:
+    """GPT with padded token losses, AdamW and clipping: FSDP on 2 ranks == one forward of the global batch.
+
+    The noise scale's inputs too: under FSDP the small batch is the union of the ranks' first micro-batches.
+    """
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
+    done = subprocess.run(
+        [*cmd, str(out), str(global_batch_size), str(micro), "3"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["sharded"] and report["dtensor_params"] and report["optimizer_holds_sharded"]
+    assert report["max_rel_diff"] <= 1e-12
+    sizes = report["micro_batch_sizes"]  # [rank][step]
+    if micro == 1:  # shares 2 and 1: rank 1 joins the second micro-batch's collectives with a padding piece
+        assert sizes == [[[1, 1]] * 3, [[1, 0]] * 3]
+    else:  # shares 4 and 3
+        assert sizes == [[[2, 2]] * 3, [[2, 1]] * 3]
+    assert len(report["noise_calls"]) == len(report["noise_expected"]) == 3
+    for got, want in zip(report["noise_calls"], report["noise_expected"]):
+        assert got[1] == want[1] and got[3] == want[3]  # token counts of the small and the whole batch
+        assert math.isclose(got[0], want[0], rel_tol=1e-10) and math.isclose(got[2], want[2], rel_tol=1e-10)

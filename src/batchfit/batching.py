@@ -79,3 +79,43 @@ def split_batch(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
         pieces.append(slice_batch(batch, start, start + s))
         start += s
     return pieces
+
+
+# -- how a global batch is divided: ranks, then micro-batches -----------------------------------------
+def rank_shares(global_batch_size: int, gpus: int) -> list[int]:
+    """Items per rank: as equal as possible, the first ``G % gpus`` ranks taking one more."""
+    q, r = divmod(global_batch_size, gpus)
+    return [q + 1 if i < r else q for i in range(gpus)]
+
+
+def split_share(share: int, max_micro: int) -> list[int]:
+    """Micro-batch sizes for one rank's share: fewest micro-batches, equal when that is possible.
+
+    With ``k = ceil(share / max_micro)`` micro-batches (the fewest that fit), the pieces are equal when
+    ``k`` divides the share, and otherwise differ by one item, larger first (10 items with 4 at most
+    give ``[4, 3, 3]``, not ``[4, 4, 2]``: no sliver, and a piece that is too big fails first). Uneven
+    pieces cost nothing in exactness (the trainer weights by counts) and beat an equal split with more
+    steps in throughput.
+    """
+    if share <= 0:
+        return []
+    k = -(-share // max_micro)
+    q, r = divmod(share, k)
+    return [q + 1 if i < r else q for i in range(k)]
+
+
+def make_splits(global_batch_size: int, gpus: int, max_micro: int, *, same_count: bool = False) -> list[list[int]]:
+    """Every rank's micro-batch sizes for one optimizer step.
+
+    With ``same_count`` (FSDP: every micro-batch's forward and backward are collectives, so ranks must
+    run as many micro-batches as each other) every rank splits its share into the busiest rank's
+    number of pieces. A share with fewer items than that (only possible with one item per micro-batch)
+    ends with *padding*: pieces of 0 items, which the trainer runs on a copy of a real item with a
+    gradient weight of exactly zero, so that the rank joins every collective and the sum is unchanged.
+    """
+    shares = rank_shares(global_batch_size, gpus)
+    splits = [split_share(s, max_micro) for s in shares]
+    if same_count:
+        k = max(len(s) for s in splits)
+        splits = [[share // k + 1 if i < share % k else share // k for i in range(k)] for share in shares]
+    return splits

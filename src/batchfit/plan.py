@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .batching import make_splits, rank_shares
 from .devices import Device, catalog, get_device
 from .errors import ConfigError, DoesNotFitError
 from .fit import FitResult, fit
@@ -92,43 +93,6 @@ class Plan:
             "scaled_lr": self.scaled_lr,
             "lr_rule": self.lr_rule,
         }
-
-
-# -- splitting --------------------------------------------------------------------------------
-def rank_shares(global_batch_size: int, gpus: int) -> list[int]:
-    """Items per rank: as equal as possible, the first ``G % gpus`` ranks taking one more."""
-    q, r = divmod(global_batch_size, gpus)
-    return [q + 1 if i < r else q for i in range(gpus)]
-
-
-def split_share(share: int, max_micro: int) -> list[int]:
-    """Micro-batch sizes for one rank's share: fewest micro-batches, equal when that is possible.
-
-    With ``k = ceil(share / max_micro)`` micro-batches (the fewest that fit), the pieces are equal when
-    ``k`` divides the share (the largest micro-batch <= max that divides it with ``k`` steps), and
-    otherwise differ by one item, larger first. Uneven pieces cost nothing in exactness (the
-    trainer weights by counts) and beat an equal split with more steps in throughput.
-    """
-    if share <= 0:
-        return []
-    k = -(-share // max_micro)
-    q, r = divmod(share, k)
-    return [q + 1 if i < r else q for i in range(k)]
-
-
-def make_splits(global_batch_size: int, gpus: int, max_micro: int, *, same_count: bool = False) -> list[list[int]]:
-    """Every rank's micro-batches for one optimizer step.
-
-    With ``same_count`` (FSDP: every micro-batch's forward and backward are collectives, so ranks must
-    run as many micro-batches as each other) every rank splits its share into the busiest rank's
-    number of pieces, when each share has that many items.
-    """
-    shares = rank_shares(global_batch_size, gpus)
-    splits = [split_share(s, max_micro) for s in shares]
-    k = max(len(s) for s in splits)
-    if same_count and all(share >= k for share in shares):
-        splits = [[share // k + 1 if i < share % k else share // k for i in range(k)] for share in shares]
-    return splits
 
 
 # -- the ladder -------------------------------------------------------------------------------
@@ -375,7 +339,7 @@ def describe_split(splits: list[list[int]]) -> str:
             j = i
             while j < len(split) and split[j] == split[i]:
                 j += 1
-            parts.append(f"{j - i} x {split[i]}")
+            parts.append(f"{j - i} x {split[i]}" if split[i] else f"{j - i} padding")  # 0 items: see make_splits
             i = j
         return " + ".join(parts) if parts else "nothing"
 

@@ -160,13 +160,21 @@ def train(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set hidden=128.")
     ] = None,
+    shard: Annotated[
+        bool,
+        typer.Option(
+            "--shard",
+            help="Under torchrun, shard parameters, gradients and optimizer states with FSDP instead of DDP "
+            "(a plan that needs it turns it on by itself).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every step's result.")] = False,
 ) -> None:
     """Train a preset on deterministic synthetic data: global batch = micro-batch x accumulation, exactly."""
     from .advice.batchnorm import BatchNormWarning, batchnorm_advice
-    from .plan import rank_shares
+    from .batching import rank_shares
     from .presets import load
-    from .train.checkpoint import load_checkpoint
+    from .train.checkpoint import load_checkpoint, model_and_optimizer_states
     from .train.distributed import shutdown
     from .train.trainer import Trainer
     from .workload import trainable_parameters
@@ -229,6 +237,7 @@ def train(
             device=trainer_device,
             precision=precision,
             workload=None if model_dtype is torch.float64 else workload,  # float64: plan the model as built
+            sharded=shard,
         )
         first_step, item_log = 0, []
         if resume is not None:
@@ -257,8 +266,14 @@ def train(
             if progress is not None:
                 progress.advance(result.loss, _split_text(result.micro_batch_sizes), row)
     advice = batchnorm_advice(model, trainer.micro_batch_size or global_batch_size, global_batch_size)
-    if save is not None and place.is_main:
-        _save(model.state_dict(), save)
+    if save is not None:
+        weights, _ = model_and_optimizer_states(trainer.model, None)  # every rank: FSDP gathers them
+        if place.is_main:
+            _save(weights, save)
+        del weights
+    planned = trainer.plan.to_dict() if hasattr(trainer.plan, "to_dict") else None
+    sharded = trainer.sharded
+    del trainer, model, optimizer  # an FSDP module alive when its group is destroyed can abort the exit
     shutdown(place)
     if not rows:  # resumed after the last step: nothing left to do
         rows = [{"loss": float("nan"), "micro_batch_size": None, "step": first_step}]
@@ -273,8 +288,9 @@ def train(
         "dtype": str(model_dtype).removeprefix("torch."),
         "seed": seed,
         "data": "global batch t = item ids t*G .. t*G+G-1 of the preset's synthetic items",
-        "plan": trainer.plan.to_dict() if hasattr(trainer.plan, "to_dict") else None,
+        "plan": planned,
         "world_size": place.world_size,
+        "sharded": sharded,
         "resumed_from_step": first_step if resume is not None else None,
         "steps": rows,
         "final_loss": rows[-1]["loss"],
@@ -347,6 +363,7 @@ def _print_table(summary: dict[str, Any]) -> None:
     console.print(
         f"batchfit train {summary['preset']}: global batch {summary['global_batch_size']} = micro-batch "
         f"{first['micro_batch_size']} x {first['accumulation_steps']} accumulation steps on {summary['device']}"
+        + (f", FSDP over {summary['world_size']} ranks" if summary["sharded"] else "")
         + (" (planned)" if summary["plan"] else ""),
         soft_wrap=True,
     )
@@ -416,19 +433,19 @@ def _checkpoint(
     global_batch_size: int,
     seed: int,
 ) -> None:
-    """Rank 0 writes the checkpoint of a finished step; every rank waits for it (no step runs ahead)."""
+    """Rank 0 writes the checkpoint of a finished step (every rank joins: FSDP gathers the states whole);
+    every rank waits for the file (no step runs ahead)."""
     from .train.checkpoint import save_checkpoint
     from .train.distributed import barrier
 
-    if place.is_main:
-        save_checkpoint(
-            path,
-            model=model,
-            optimizer=optimizer,
-            step=step,
-            plan={"global_batch_size": global_batch_size, "world_size": place.world_size},
-            extra={"items": item_log, "preset": preset, "seed": seed},
-        )
+    save_checkpoint(
+        path,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        plan={"global_batch_size": global_batch_size, "world_size": place.world_size},
+        extra={"items": item_log, "preset": preset, "seed": seed},
+    )
     barrier(place)
 
 

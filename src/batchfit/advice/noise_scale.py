@@ -68,6 +68,9 @@ def grad_sq_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
             g = p.grad
             if g is None:
                 continue
+            local = getattr(g, "to_local", None)
+            if callable(local):  # a sharded (DTensor) gradient: this rank's slice; the caller sums over ranks
+                g = local()
             if g.is_sparse:
                 g = g.coalesce().values()
             sq = torch.linalg.vector_norm(g).to(torch.float64).square()  # 0-d

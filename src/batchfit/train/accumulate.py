@@ -46,6 +46,7 @@ from ..batching import Batch, batch_size_of
 from ..errors import ConfigError
 from ..precision import Precision, policy_for
 from .distributed import all_reduce_sum, distributed, no_sync_of, world_size
+from .fsdp import is_sharded
 
 if TYPE_CHECKING:
     from .oom import Replan
@@ -150,6 +151,12 @@ def loss_terms(out: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
 # thousands of tokens would overflow its scaled activation gradients).
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t``'s global value (``clip_grad_norm_`` of sharded gradients returns a DTensor)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 class MicroStep:
     """One micro-batch (a context manager from ``Accumulator.accumulate``): call ``backward_weighted`` once.
 
@@ -171,7 +178,7 @@ class MicroStep:
 
     def __enter__(self) -> MicroStep:
         acc = self._acc
-        no_sync = None if self.last else acc._no_sync
+        no_sync = None if self.last else no_sync_of(acc.model)
         if no_sync is None and acc._autocast is None:
             return self  # nothing to enter: the plain single-process fp32 loop pays nothing here
         stack = contextlib.ExitStack()
@@ -218,7 +225,10 @@ class MicroStep:
                 "the loss returned a mean for some micro-batches and (loss_sum, n_items) for others; "
                 "return the same form for every micro-batch"
             )
-        if form == MEAN:
+        padding = self.n_items == 0  # run for its collectives only (FSDP; see batching.make_splits)
+        if padding:
+            weighted = value * 0.0  # adds exactly zero to every gradient
+        elif form == MEAN:
             weighted = value * (self.n_items * acc.world_size / acc.global_batch_size)  # mean * n / N
         else:
             weighted = value * (acc.world_size / acc._token_divisor)  # loss_sum / N_prev (NOTE above)
@@ -232,10 +242,10 @@ class MicroStep:
             weighted.backward()
         self.done = True
         detached = value.detach()
-        acc._values.append(detached)
-        acc._counts.append(self.n_items if count is None else count)
+        acc._values.append(torch.zeros_like(detached) if padding else detached)
+        acc._counts.append(self.n_items if count is None or padding else count)
         acc._sizes.append(self.n_items)
-        if acc.noise_scale is not None and not self.last and len(acc._values) == 1:
+        if acc.noise_scale is not None and not self.last and not padding and len(acc._values) == 1:
             acc._read_small_gradient(self.n_items if count is None else count)
         return detached
 
@@ -303,7 +313,6 @@ class Accumulator:
             grad_scaler = torch.amp.GradScaler(device_type)
         self.grad_scaler = grad_scaler
         self.world_size = world_size()
-        self._no_sync = no_sync_of(model)
         self._token_divisor = float(global_batch_size)  # N_prev; see NOTE [ Dividing by a count known only at the end ]
         self._step = 0
         self._form: str | None = None
@@ -327,7 +336,9 @@ class Accumulator:
         Args:
             micro_batch: the micro-batch (its leading dimension counts the items of a mean loss).
             last: True for the window's last micro-batch, whose backward synchronises DDP gradients.
-            n_items: the micro-batch's leading dimension when the caller knows it already.
+            n_items: the micro-batch's leading dimension when the caller knows it already; 0 marks a
+                *padding* micro-batch (a rank with fewer items than FSDP's common micro-batch count
+                runs a real item for the collectives, its gradient weighted by exactly zero).
 
         Raises:
             ConfigError: the previous window failed mid-backward and was not ``reset``, or (on leaving
@@ -396,12 +407,16 @@ class Accumulator:
             scaler.unscale_(self.optimizer)
         norm = None
         if self.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            norm = _whole(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         tail = [small] if local and small is not None else []  # read with `pending`, in one transfer
         if norm is not None:
             tail.append(norm.detach().double()[None])
         if small is not None:  # the window's mean gradient, unscaled and not yet clipped: |G_big|²
-            tail.append((norm.detach().double().square() if norm is not None else grad_sq_norm(params))[None])
+            if norm is not None:
+                big_sq = norm.detach().double().square()
+            else:  # sharded gradients: each rank holds the squares of its slices only
+                big_sq = all_reduce_sum(grad_sq_norm(params)) if self.sharded else grad_sq_norm(params)
+            tail.append(big_sq[None])
         skipped, scale_before = False, 1.0
         if scaler is not None:
             scale_before = scaler.get_scale()
@@ -446,6 +461,11 @@ class Accumulator:
         self._small = None
         return result
 
+    @property
+    def sharded(self) -> bool:
+        """True when the model is sharded with FSDP2 (``fully_shard``): gradients are slices (DTensors)."""
+        return is_sharded(self.model)
+
     # -- helpers --------------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -471,7 +491,10 @@ class Accumulator:
     # undone right there into the micro-batch's mean gradient's |g|², on the device (one norm per parameter,
     # no copy, no host read; S is divided out on the host). Under DDP every rank's first micro-batch is a
     # small batch: their [|g|², 1/n, 1] ride the step's one all-reduce, and as E|g_n|² = |G|² + tr(Σ)/n,
-    # the ranks' mean |g|² is that of one batch of the harmonic mean of their n. The large batch is the
+    # the ranks' mean |g|² is that of one batch of the harmonic mean of their n. Under FSDP (no no_sync:
+    # every micro-batch is reduce-scattered) the first micro-batches of all ranks make *one* small batch
+    # of N = sum n items: .grad slices hold (N / divisor) times its mean gradient, whose |.|² is the sum
+    # over ranks of the slices' squares (divisor: G, or N_prev, not divided by W). The large batch is the
     # window's mean gradient after the division and unscale_, before clipping (clipping's norm, else one
     # norm per parameter). Both join the step's one host read. Windows of one micro-batch on every rank,
     # and steps fp16 skipped, measure nothing. Token losses count tokens as independent items (they are not).
@@ -480,10 +503,16 @@ class Accumulator:
         sq = grad_sq_norm(self._params())  # 0-d float64
         # A fill, not a host-to-device copy of an int count: that copy would wait for the device.
         n = count.to(sq.device, torch.float64) if isinstance(count, torch.Tensor) else sq.new_full((), float(count))
+        divisor = float(self.global_batch_size if self._form == MEAN else self._token_divisor)
+        copies = 1.0
+        if self.sharded:  # one small batch over all ranks (NOTE above); every rank then holds the same terms,
+            sq, n = all_reduce_sum(torch.stack([sq, n])).unbind()  # which the step's all-reduce adds W times
+            copies = float(self.world_size)
+        else:
+            divisor /= self.world_size
         measured = (n > 0).double()  # a token micro-batch may hold no loss-carrying token
-        divisor = (self.global_batch_size if self._form == MEAN else self._token_divisor) / self.world_size
         n = n.clamp_min(1.0)
-        self._small = torch.stack([sq * measured * (divisor / n) ** 2, measured / n, measured])  # (3,)
+        self._small = torch.stack([sq * measured * (divisor / n) ** 2, measured / n, measured]) / copies  # (3,)
 
     def _measure(self, small: list[float], big_sq: float, big_n: float, scale: float) -> None:
         """Feed the ranks' mean small-batch norm and the window's norm to the noise scale (NOTE above)."""

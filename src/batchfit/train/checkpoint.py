@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .distributed import rank
+from .fsdp import full_states, is_sharded, load_full_states
 
 FORMAT = "batchfit-checkpoint-1"
 
@@ -47,6 +49,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def model_and_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+    """Whole states, the same on any world size: gathered on rank 0 under FSDP (a collective), else local."""
+    if is_sharded(model):
+        return full_states(model, optimizer)
+    return _unwrap(model).state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+
 def save_checkpoint(
     path: str | Path,
     *,
@@ -59,13 +68,20 @@ def save_checkpoint(
     step: int = 0,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically (temp file, fsync, rename); returns its path."""
+    """Write a checkpoint atomically (temp file, fsync, rename); returns its path.
+
+    Under ``torch.distributed`` call it on every rank: a sharded (FSDP) model's states are gathered
+    whole first (a collective), and only rank 0 writes.
+    """
     path = Path(path)
+    model_state, optimizer_state = model_and_optimizer_states(model, optimizer)
+    if rank() != 0:
+        return path
     payload = {
         "format": FORMAT,
         "step": step,
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
         "sampler": sampler.state_dict() if sampler is not None else None,
@@ -127,7 +143,8 @@ def load_checkpoint(
     """Apply a checkpoint to the given objects; returns the payload (step, plan, extra).
 
     The model's keys and shapes are checked before anything is applied, so a checkpoint of another
-    model leaves every object as it was.
+    model leaves every object as it was. A sharded (FSDP) model takes its slices of the whole states
+    (call it on every rank); a checkpoint written on any world size, sharded or not, loads.
 
     Raises:
         CheckpointError: unreadable, or saved from a model with other parameters.
@@ -151,9 +168,12 @@ def load_checkpoint(
             f"checkpoint {path} was saved from another model ({'; '.join(details)}); "
             "resume with the same model and settings"
         )
-    target.load_state_dict(saved)
-    if optimizer is not None and payload.get("optimizer") is not None:
-        optimizer.load_state_dict(payload["optimizer"])
+    if is_sharded(model):
+        load_full_states(model, optimizer, saved, payload.get("optimizer"))
+    else:
+        target.load_state_dict(saved)
+        if optimizer is not None and payload.get("optimizer") is not None:
+            optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None and payload.get("scheduler") is not None:
         scheduler.load_state_dict(payload["scheduler"])
     if grad_scaler is not None and payload.get("grad_scaler") is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,20 +77,21 @@ def init_distributed(device: str | None = None, timeout_s: float = 120.0) -> Pla
     return Place(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
 
 
-def wrap_model(model: nn.Module, place: Place, *, sharded: bool = False) -> nn.Module:
-    """DDP (or FSDP's ``fully_shard`` per numbered block when ``sharded``) on several ranks; as is on one."""
-    if not place.distributed:
+def wrap_model(
+    model: nn.Module, device: torch.device, *, sharded: bool = False, optimizer: torch.optim.Optimizer | None = None
+) -> nn.Module:
+    """The model ready for the default group: FSDP's ``fully_shard`` when ``sharded``, else DDP.
+
+    As is on a single process, or when it is already wrapped (DDP, FSDP). Sharding re-points
+    ``optimizer`` at the sharded parameters (see ``batchfit.train.fsdp``); DDP keeps the parameters.
+    """
+    from .fsdp import is_sharded, shard_model
+
+    if world_size() == 1 or is_sharded(model) or no_sync_of(model) is not None:
         return model
     if sharded:
-        from torch.distributed.fsdp import fully_shard
-
-        for module in model.modules():
-            for name, child in module.named_children():
-                if name.isdigit():  # the blocks of an nn.ModuleList / Sequential: one unit each
-                    fully_shard(child)
-        fully_shard(model)
-        return model
-    device_ids = [place.device.index] if place.device.type == "cuda" else None
+        return shard_model(model, optimizer)
+    device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
@@ -99,8 +101,15 @@ def barrier(place: Place) -> None:
 
 
 def shutdown(place: Place) -> None:
-    """Leave the process group cleanly (torchrun expects every rank to)."""
+    """Leave the process group cleanly (torchrun expects every rank to), once every rank is done with it.
+
+    Without the barrier a rank that finishes first tears its side down while a slower rank may
+    still be receiving from it. An FSDP module that outlives its group can abort the interpreter's
+    exit (gloo, CPU): drop the references to it first; the collection here then frees it.
+    """
     if place.distributed and dist.is_initialized():
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -128,11 +137,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def no_sync_of(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
-    """How ``model`` skips its gradient all-reduce: its public ``no_sync`` (DDP, FSDP), or None.
+    """How ``model`` skips its gradient all-reduce: its public ``no_sync`` (DDP, FSDP1), or None.
 
     DDP all-reduces during every backward; under accumulation only the window's last backward needs
     to, the others just add into local ``.grad``. A plain module has no ``no_sync``, so a single
-    process runs the same code without one.
+    process runs the same code without one. FSDP2 (``fully_shard``) has none either, on purpose here:
+    its gradients are reduce-scattered after every micro-batch so that they stay sharded (the memory
+    the plan counted on); see ``batchfit.train.fsdp``.
     """
     no_sync = getattr(model, "no_sync", None)
     return no_sync if callable(no_sync) else None

@@ -24,7 +24,9 @@ Items are never skipped, repeated or dropped from the gradient: the window's cur
 past micro-batches whose backward finished. A micro-batch of one item that runs out of memory
 cannot be split further: ``DoesNotFitError``, naming the remedies.
 Limitations: under DDP, an OOM in the window's last (synchronising) backward leaves the other ranks
-inside its all-reduce, so it is re-raised rather than redone. A forward that failed may have
+inside its all-reduce, so it is re-raised rather than redone. Under FSDP every micro-batch's forward
+and backward are collectives, so one rank cannot re-split on its own: an OOM there is a
+``DoesNotFitError`` naming a smaller micro-batch size. A forward that failed may have
 advanced the random generator (dropout) and BatchNorm's running statistics; neither is covered by
 the exactness guarantee (both already depend on the split; see ``batchfit.advice.batchnorm``).
 Memory is freed by leaving the ``except`` block before cleaning up (its traceback holds the failed
@@ -160,14 +162,23 @@ def run_window(
     replans: list[Replan] = []
     while pending:
         size = pending[0]
-        failure = _attempt(run_micro, acc, slice_batch(batch, done, done + size), size, len(pending) == 1)
+        # A piece of 0 items is FSDP padding (batching.make_splits): a real item, weighted zero.
+        piece = slice_batch(batch, done, done + size) if size else slice_batch(batch, 0, 1)
+        failure = _attempt(run_micro, acc, piece, size, len(pending) == 1)
         if failure is None:
             done += size
             pending.pop(0)
             continue
         phase, summary = failure
         release_memory(cache)
-        if size == 1:
+        if acc.sharded:
+            acc.reset()
+            raise DoesNotFitError(
+                f"out of memory on {where} in the {phase} pass of a micro-batch of {size} under FSDP ({summary}); "
+                "a rank cannot re-split alone there (every micro-batch is a collective of all ranks): restart "
+                f"with a micro-batch size below {max(size, 1)}"
+            )
+        if size <= 1:
             acc.reset()
             raise DoesNotFitError(
                 f"one item does not fit on {where}: out of memory in the {phase} pass of a micro-batch of 1 "

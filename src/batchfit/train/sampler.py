@@ -4,7 +4,7 @@ NOTE [ Which items a rank takes ]
 Epoch ``e`` visits the dataset in the order ``torch.randperm(n, generator=seed + e)``. Global batch
 ``t`` of that epoch is the slice ``perm[t*G : (t+1)*G]`` — a fixed set of items that depends on the
 seed, the epoch and ``t`` only. Rank ``r`` of ``W`` takes a contiguous part of it: ranks get
-``G // W`` items, the first ``G % W`` ranks one more (``plan.rank_shares``), in rank order. A
+``G // W`` items, the first ``G % W`` ranks one more (``batching.rank_shares``), in rank order. A
 checkpoint stores the position as (epoch, global batch index), so a run resumed on another number
 of GPUs continues with exactly the global batches an uninterrupted run would have seen. The last
 ``n % G`` items of an epoch are dropped (a short last batch would change the maths of that step).
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from ..batching import rank_shares
 from ..errors import ConfigError
-from ..plan import rank_shares
 
 
 class GlobalBatchSampler(Sampler[list[int]]):

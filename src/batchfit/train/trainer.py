@@ -33,14 +33,15 @@ from torch import nn
 
 from ..advice.batchnorm import warn_batchnorm
 from ..advice.noise_scale import GradientNoiseScale
-from ..batching import Batch, batch_size_of, map_tensors
+from ..batching import Batch, batch_size_of, make_splits, map_tensors, rank_shares
 from ..errors import ConfigError, DoesNotFitError, UnknownNameError
 from ..precision import Precision, parse_precision
 from ..simulated import SimulatedDevice
 from ..units import format_bytes
 from ..workload import Workload
 from .accumulate import Accumulator, StepResult, micro_batch_sizes
-from .distributed import no_sync_of, rank, world_size
+from .distributed import rank, world_size, wrap_model
+from .fsdp import is_sharded
 from .oom import CacheReleaser, CudaCache, NoCache, is_out_of_memory, release_memory, run_window
 
 LossFn = Callable[[nn.Module, Batch], Any]
@@ -95,12 +96,6 @@ def _cuda_profile(index: int) -> Any:
         return generic_device(f"{torch.cuda.get_device_properties(index).total_memory}B")
 
 
-def _shares(global_batch_size: int, ranks: int) -> list[int]:
-    """Items per rank: as equal as possible, larger shares on lower ranks."""
-    q, r = divmod(global_batch_size, ranks)
-    return [q + 1] * r + [q] * (ranks - r)
-
-
 def _like(spec: Batch, batch_size: int) -> Batch:
     """A batch of ``batch_size`` zero items shaped like ``spec``'s (runs under ``FakeTensorMode``)."""
     return map_tensors(spec, lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype))
@@ -143,6 +138,17 @@ class Trainer:
         noise_scale: measure the gradient noise scale (``trainer.noise_scale``, ``StepResult.noise_scale``)
             from the windows' first micro-batches, into this ``GradientNoiseScale`` (True: a new one,
             False: off); steps of one micro-batch per rank measure nothing.
+        sharded: under torchrun, shard parameters, gradients and optimizer states across the ranks
+            with FSDP2 (``fully_shard``; see ``batchfit.train.fsdp``) instead of DDP. A plan made by
+            ``micro_batch_size="auto"`` turns it on by itself when only sharding fits. Nothing to do
+            on a single process.
+
+    Several processes (torchrun): the model is wrapped here, so that the same script runs on one
+    process and on many: in DDP, or sharded with FSDP (the optimizer is re-pointed at the sharded
+    parameters; build it on the plain model as usual). With ``micro_batch_size="auto"`` the wrap
+    waits for the plan at the first step. Under FSDP every rank runs the same number of
+    micro-batches (``batching.make_splits``), and an out-of-memory error is not re-split (ranks
+    cannot re-split alone when every micro-batch is a collective).
 
     Raises:
         ConfigError: a non-positive or too small global batch, a micro-batch size that is not
@@ -165,6 +171,7 @@ class Trainer:
         grad_scaler: torch.amp.GradScaler | None = None,
         workload: Workload | None = None,
         noise_scale: GradientNoiseScale | bool = True,
+        sharded: bool = False,
     ) -> None:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
@@ -195,11 +202,13 @@ class Trainer:
                 f"(model.to({self._where.device.type!r})) and build the optimizer after"
             )
         self.precision = parse_precision(precision)
-        if self.world_size > 1 and no_sync_of(model) is None:
-            # Under torchrun the model is wrapped here, after the checks above, so that user code is the
-            # same on one process and on many (DDP keeps the same parameters: the optimizer stays valid).
-            device_ids = [self._where.device.index] if self._where.device.type == "cuda" else None
-            model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.sharded = is_sharded(model) or (bool(sharded) and self.world_size > 1)
+        """Parameters sharded with FSDP across the ranks (always False on a single process)."""
+        if self.sharded and micro_batch_size == "auto" and is_sharded(model):
+            raise ConfigError(
+                "a model sharded before the Trainer cannot be planned (micro_batch_size='auto'); pass "
+                "micro_batch_size=N, or pass the plain model with sharded=True"
+            )
         self.model = model
         self.optimizer = optimizer
         self.loss = loss
@@ -215,7 +224,7 @@ class Trainer:
             device_type=self._where.device.type,
             noise_scale=noise_scale,
         )
-        self.share = _shares(global_batch_size, self.world_size)[self.rank]
+        self.share = rank_shares(global_batch_size, self.world_size)[self.rank]
         """Items of each global batch that this rank's ``step`` receives."""
         self.micro_batch_size: int | None = None if micro_batch_size == "auto" else int(micro_batch_size)
         """The current micro-batch size (None until ``"auto"`` has planned it at the first step)."""
@@ -227,6 +236,7 @@ class Trainer:
         if self._where.simulated is not None:
             self._put_on_simulated(self._where.simulated)
         if self.micro_batch_size is not None:
+            self._wrap()
             self._advise_batchnorm()
 
     @property
@@ -254,6 +264,7 @@ class Trainer:
             raise ConfigError("enter the simulated device before training: `with SimulatedDevice(...) as gpu:`")
         if self.micro_batch_size is None:
             self._plan_micro_batch(batch)
+            self._wrap()
             self._advise_batchnorm()
         assert self.micro_batch_size is not None
         sizes = self._splits or micro_batch_sizes(n, self.micro_batch_size)
@@ -283,6 +294,23 @@ class Trainer:
             micro = self._move(micro)
         with self.accumulator.accumulate(micro, last=last, n_items=n_items) as step:
             step.backward_weighted(self.loss(self.model, micro))  # weighted by its share of the count
+
+    def _wrap(self) -> None:
+        """DDP, or FSDP when sharded, on several ranks; the FSDP split (see the class docstring)."""
+        if self.world_size == 1:
+            return
+        if self.sharded and self._where.simulated is not None:
+            raise ConfigError(
+                f"FSDP sharding does not run on {self._where.name}: the simulated allocator cannot follow "
+                "sharded tensors across processes; use real GPUs, --device cpu, or a larger simulated GPU"
+            )
+        self.model = wrap_model(self.model, self._where.device, sharded=self.sharded, optimizer=self.optimizer)
+        self.accumulator.model = self.model
+        self.sharded = is_sharded(self.model)
+        if self.sharded and self._splits is None:
+            assert self.micro_batch_size is not None
+            splits = make_splits(self.global_batch_size, self.world_size, self.micro_batch_size, same_count=True)
+            self._splits = splits[self.rank]
 
     def _advise_batchnorm(self) -> None:
         if self._bn_warned or self.micro_batch_size is None:
@@ -314,10 +342,11 @@ class Trainer:
     def _plan_micro_batch(self, batch: Batch) -> None:
         """``micro_batch_size="auto"``: plan from the workload's traced memory on this device.
 
-        On the plain CPU there is no capacity to plan against: the share runs as one micro-batch.
+        On the plain CPU there is no capacity to plan against: each share runs as one micro-batch (the
+        largest share's size on every rank: under FSDP the ranks must agree on the split).
         """
         if self._where.simulated is None and self._where.device.type == "cpu":
-            self.micro_batch_size = self.share
+            self.micro_batch_size = rank_shares(self.global_batch_size, self.world_size)[0]
             return
         try:
             from ..plan import plan as make_plan  # imports the estimator: only when asked for
@@ -342,11 +371,6 @@ class Trainer:
                 plan = pool.submit(run).result()
         else:
             plan = run()
-        if getattr(plan, "sharded", False):
-            raise ConfigError(
-                "the plan needs parameters sharded across GPUs (FSDP), which the Trainer does not do; "
-                "pass micro_batch_size=N with a sharded model, or more memory per GPU"
-            )
         if getattr(plan, "checkpointing", False):
             from ..checkpointing import apply_checkpointing, checkpoint_classes
 
@@ -359,7 +383,9 @@ class Trainer:
         self.plan, self.micro_batch_size = plan, min(micro, self.global_batch_size)
         splits = getattr(plan, "splits", None)
         mine = list(splits[self.rank]) if splits and len(splits) > self.rank else None
-        if mine and sum(mine) == self.share and max(mine) <= self.micro_batch_size and min(mine) >= 1:
+        self.sharded = self.sharded or (bool(getattr(plan, "sharded", False)) and self.world_size > 1)
+        smallest = 0 if self.sharded else 1  # FSDP plans may end a share with padding (batching.make_splits)
+        if mine and sum(mine) == self.share and max(mine) <= self.micro_batch_size and min(mine) >= smallest:
             self._splits = mine  # execute the plan exactly as it was made
 
     def _own_workload(self, batch: Batch) -> Workload:
