@@ -1,10 +1,12 @@
-"""Data parallelism on the CPU: 1 vs 2 processes (torchrun, gloo) at the same global batch.
+"""Data parallelism on the CPU: 1 vs 2 processes (torchrun, gloo) at the same global batch, DDP and FSDP.
 
 Each configuration runs ``batchfit train`` for real under ``python -m torch.distributed.run``; the
 step times come from the run's own JSON (rank 0), warm-up steps excluded, median reported. Runs of
 the two configurations are interleaved so machine load affects both alike. On a 2-core machine the
 second process competes with the first for the cores, so expect a ratio near 1, not 2: the table is
-about the overhead of the collective (gloo all-reduce once per optimizer step), not about speed-up.
+about the overhead of the collectives, not about speed-up: DDP all-reduces once per optimizer step;
+FSDP (``--shard``) all-gathers every unit's parameters in each micro-batch's forward and backward and
+reduce-scatters its gradients after each micro-batch (the price of holding 1/2 of the model per rank).
 
 Run: ``.venv/bin/python benchmarks/data_parallel.py``
 """
@@ -27,7 +29,10 @@ REPEATS = 3
 PRESET = ["mlp", "--set", "hidden=512", "--set", "depth=4"]
 
 
-def run(nproc: int) -> list[float]:
+CONFIGS = {"1 process": (1, ()), "2 processes, DDP": (2, ()), "2 processes, FSDP": (2, ("--shard",))}
+
+
+def run(nproc: int, extra: tuple[str, ...]) -> list[float]:
     """Seconds per step (rank 0's view) of one run with ``nproc`` processes."""
     cmd = [
         sys.executable,
@@ -46,6 +51,7 @@ def run(nproc: int) -> list[float]:
         "--steps",
         str(STEPS),
         "--json",
+        *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=True)
@@ -54,17 +60,18 @@ def run(nproc: int) -> list[float]:
 
 
 def main() -> None:
-    times: dict[int, list[float]] = {1: [], 2: []}
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(REPEATS):
-        for nproc in (1, 2):
-            times[nproc].extend(run(nproc))
-    table = Table(title=f"data parallel on CPU (gloo): global batch {GLOBAL_BATCH}, median of {len(times[1])} steps")
-    for col in ("processes", "s / step", "items / s", "ratio to 1 process"):
+        for name, (nproc, extra) in CONFIGS.items():
+            times[name].extend(run(nproc, extra))
+    steps = len(times["1 process"])
+    table = Table(title=f"data parallel on CPU (gloo): global batch {GLOBAL_BATCH}, median of {steps} steps")
+    for col in ("run", "s / step", "items / s", "ratio to 1 process"):
         table.add_column(col, justify="right")
-    base = statistics.median(times[1])
-    for nproc, ts in times.items():
+    base = statistics.median(times["1 process"])
+    for name, ts in times.items():
         med = statistics.median(ts)
-        table.add_row(str(nproc), f"{med:.4f}", f"{GLOBAL_BATCH / med:,.0f}", f"{base / med:.2f}x")
+        table.add_row(name, f"{med:.4f}", f"{GLOBAL_BATCH / med:,.0f}", f"{base / med:.2f}x")
     Console().print(table)
 
 

@@ -20,7 +20,9 @@ import torch
 
 from batchfit.advice.noise_scale import GradientNoiseScale
 from batchfit.batching import make_splits, rank_shares, slice_batch
+from batchfit.errors import ConfigError
 from batchfit.presets import get
+from batchfit.simulated import SimulatedDevice
 from batchfit.train.distributed import init_distributed, shutdown
 from batchfit.train.trainer import Trainer
 
@@ -103,6 +105,14 @@ def main() -> None:
         "noise_calls": noise.calls,
         "noise_expected": expected_noise,
     }
+    with SimulatedDevice("1GiB") as gpu:  # FSDP on a simulated GPU: refused in one line
+        plain = copy.deepcopy(reference)
+        try:
+            Trainer(plain, torch.optim.SGD(plain.parameters()), wl.loss, global_batch_size=2, micro_batch_size=1,
+                    device=gpu, sharded=True)  # fmt: skip
+            report["simulated"] = "accepted"
+        except ConfigError as exc:
+            report["simulated"] = str(exc)
     del trainer, model, optimizer
     shutdown(place)
     if place.is_main:
