@@ -105,6 +105,15 @@ def main() -> None:
         "noise_calls": noise.calls,
         "noise_expected": expected_noise,
     }
+    # fp16 under FSDP: the GradScaler made for it becomes a ShardedGradScaler (every rank skips alike).
+    half = copy.deepcopy(reference)
+    fp16 = Trainer(half, torch.optim.SGD(half.parameters(), lr=0.01), wl.loss, global_batch_size=global_batch,
+                   micro_batch_size=micro, precision="fp16", sharded=True)  # fmt: skip
+    fp16.step(slice_batch(batch, first, first + shares[place.rank]))
+    scales: list[Any] = [None] * place.world_size
+    torch.distributed.all_gather_object(scales, fp16.accumulator.grad_scaler.get_scale())
+    report["fp16"] = {"scaler": type(fp16.accumulator.grad_scaler).__name__, "scales": scales}
+    del fp16, half
     with SimulatedDevice("1GiB") as gpu:  # FSDP on a simulated GPU: refused in one line
         plain = copy.deepcopy(reference)
         try:

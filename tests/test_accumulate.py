@@ -529,3 +529,27 @@ def test_examples_in_docstrings_run() -> None:
     for module in (batchfit.train.accumulate, batchfit.train.trainer, batchfit.advice.batchnorm):
         failed, attempted = doctest.testmod(module)
         assert attempted > 0 and failed == 0, module.__name__
+
+
+@pytest.mark.parametrize(
+    ("make_model", "loss", "batches"), [(mlp, mean_loss, class_batches), (token_model, token_loss, token_batches)]
+)
+def test_a_padding_micro_batch_adds_exactly_nothing(make_model: Any, loss: Any, batches: Any) -> None:
+    """``n_items=0`` (FSDP padding): a real item runs for its collectives, weighted by exactly zero."""
+    results, params = [], []
+    for pad in (False, True):
+        model, optimizer, _ = build(make_model, "adamw", False)
+        acc = Accumulator(model, optimizer, global_batch_size=G, max_grad_norm=0.5)
+        for batch in batches(2):
+            pieces = split_batch(batch, [6, 4])
+            window = list(zip(pieces, (6, 4))) + ([(split_batch(batch, [1, 9])[0], 0)] if pad else [])
+            for i, (piece, n) in enumerate(window):
+                with acc.accumulate(piece, last=i == len(window) - 1, n_items=n) as micro:
+                    micro.backward_weighted(loss(model, piece))
+            results.append(acc.step())
+        params.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*params))  # bit for bit
+    plain, padded = results[:2], results[2:]
+    for a, b in zip(plain, padded):
+        assert b.micro_batch_sizes == (6, 4, 0) and b.accumulation_steps == 3
+        assert (b.loss, b.n_items, b.grad_norm) == (a.loss, a.n_items, a.grad_norm)

@@ -236,6 +236,7 @@ def test_the_sharded_trainer_is_the_large_batch_by_hand(tmp_path: Path, global_b
     report = json.loads(out.read_text())
     assert report["sharded"] and report["dtensor_params"] and report["optimizer_holds_sharded"]
     assert report["max_rel_diff"] <= 1e-12
+    assert report["fp16"]["scaler"] == "ShardedGradScaler" and len(set(report["fp16"]["scales"])) == 1
     assert report["simulated"].startswith("FSDP sharding does not run on a simulated 1.00 GiB GPU")
     sizes = report["micro_batch_sizes"]  # [rank][step]
     if micro == 1:  # shares 2 and 1: rank 1 joins the second micro-batch's collectives with a padding piece

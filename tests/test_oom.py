@@ -14,7 +14,7 @@ from torch import nn
 import batchfit.train.trainer as trainer_module
 from batchfit.errors import DoesNotFitError
 from batchfit.simulated import SimulatedDevice
-from batchfit.train.accumulate import micro_batch_sizes
+from batchfit.train.accumulate import Accumulator, micro_batch_sizes
 from batchfit.train.oom import CudaCache, Replan, is_out_of_memory, release_memory
 from batchfit.train.trainer import Trainer
 
@@ -211,6 +211,20 @@ def test_a_synchronising_ddp_backward_is_not_redone(monkeypatch: pytest.MonkeyPa
     trainer.accumulator.world_size = 2  # as if other ranks were waiting in this backward's all-reduce
     with pytest.raises(torch.OutOfMemoryError):
         trainer.step(data(1, n=12)[0])
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_under_fsdp_an_oom_names_a_smaller_micro_batch_instead_of_re_splitting_one_rank(
+    monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    model = build_faulty(**{f"{phase}_at": {1}})
+    trainer, cache = faulty_trainer(monkeypatch, model, micro=4)
+    monkeypatch.setattr(Accumulator, "sharded", property(lambda self: True))  # every micro-batch a collective
+    with pytest.raises(DoesNotFitError, match=f"in the {phase} pass of a micro-batch of 4 under FSDP") as info:
+        trainer.step(data(1, n=12)[0])
+    assert "micro-batch size of at most 2" in str(info.value) and "\n" not in str(info.value)
+    assert cache.emptied == 1 and not trainer.accumulator.needs_reset
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_oom_in_the_optimizer_step_is_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from batchfit import ConfigError, DoesNotFitError, estimate, get_device, presets
 from batchfit.batching import make_splits, rank_shares, split_share
 from batchfit.devices import Device
 from batchfit.fit import fit
-from batchfit.plan import fit_estimate_at, plan
+from batchfit.plan import describe_split, fit_estimate_at, plan
 
 MLP = presets.get("mlp")
 GPT = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
@@ -254,3 +254,10 @@ def test_bad_input_is_a_one_line_config_error(global_batch_size, gpus, device: s
     with pytest.raises(ConfigError, match=match) as info:
         plan(MLP, global_batch_size, device=device, gpus=gpus)
     assert "\n" not in str(info.value)
+
+
+def test_describe_split_names_runs_ranks_and_padding() -> None:
+    assert describe_split([[42] * 11 + [41] * 5]) == "11 x 42 + 5 x 41"
+    assert describe_split([[4, 3, 3], [4, 3, 3]]) == "each of 2 ranks: 1 x 4 + 2 x 3"
+    assert describe_split([[1, 1], [1, 0]]) == "rank 0: 2 x 1; rank 1: 1 x 1 + 1 padding"
+    assert describe_split([[2, 2], [2, 2], [2, 1]]) == "ranks 0-1: 2 x 2; rank 2: 1 x 2 + 1 x 1"

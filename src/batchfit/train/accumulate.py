@@ -264,7 +264,8 @@ class Accumulator:
         global_batch_size: items of one global batch over all ranks; mean losses are weighted by it.
         max_grad_norm: clip the total gradient norm to this once per step (None: no clipping).
         scheduler: stepped once per optimizer step (not when fp16 skipped the step).
-        grad_scaler: a ``torch.amp.GradScaler``; by default one is made for ``precision="fp16"``.
+        grad_scaler: a ``torch.amp.GradScaler``; by default one is made for ``precision="fp16"`` (a
+            ``ShardedGradScaler`` once the model is sharded with FSDP: see ``_sharded_scaler``).
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast of the forward) or ``bf16-true``.
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; by default that of the first parameter.
         noise_scale: measure the gradient noise scale into this ``GradientNoiseScale`` (True: a new
@@ -309,6 +310,7 @@ class Accumulator:
         self.device_type = device_type
         policy = policy_for(precision)
         self._autocast: Callable[[], contextlib.AbstractContextManager] | None = policy.autocast(device_type)
+        self._own_scaler = grad_scaler is None
         if grad_scaler is None and policy.precision is Precision.FP16:
             grad_scaler = torch.amp.GradScaler(device_type)
         self.grad_scaler = grad_scaler
@@ -349,6 +351,8 @@ class Accumulator:
                 "a backward failed part-way, so this window's gradients are incomplete; call reset() and run "
                 "the window's micro-batches again"
             )
+        if self.grad_scaler is not None and not self._values:
+            self._sharded_scaler()
         return MicroStep(self, batch_size_of(micro_batch) if n_items is None else n_items, last)
 
     @property
@@ -467,6 +471,29 @@ class Accumulator:
         return is_sharded(self.model)
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _sharded_scaler(self) -> None:
+        """Under FSDP, a scaler that agrees across ranks on whether to skip the step.
+
+        A ``GradScaler`` looks for inf/NaN in this rank's gradient slices only: one rank would skip a
+        step the others take. ``ShardedGradScaler`` all-reduces what it found. The one made here is
+        replaced (its state carried over); one passed in must already be a ``ShardedGradScaler``.
+        """
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = self.grad_scaler
+        if scaler is None or isinstance(scaler, ShardedGradScaler):
+            return
+        if not self._own_scaler:
+            raise ConfigError(
+                "the model is sharded with FSDP but grad_scaler is a GradScaler, which sees only this rank's "
+                "gradient slices; pass torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler instead"
+            )
+        sharded = ShardedGradScaler(self.device_type)
+        sharded.load_state_dict(scaler.state_dict())
+        self.grad_scaler = sharded
+
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 

@@ -171,19 +171,19 @@ def run_window(
             continue
         phase, summary = failure
         release_memory(cache)
-        if acc.sharded:
-            acc.reset()
-            raise DoesNotFitError(
-                f"out of memory on {where} in the {phase} pass of a micro-batch of {size} under FSDP ({summary}); "
-                "a rank cannot re-split alone there (every micro-batch is a collective of all ranks): restart "
-                f"with a micro-batch size below {max(size, 1)}"
-            )
         if size <= 1:
             acc.reset()
             raise DoesNotFitError(
                 f"one item does not fit on {where}: out of memory in the {phase} pass of a micro-batch of 1 "
                 f"({summary}); use activation checkpointing, --precision bf16, shorter sequences, a smaller "
                 "model or a GPU with more memory"
+            )
+        if acc.sharded:
+            acc.reset()
+            raise DoesNotFitError(
+                f"out of memory on {where} in the {phase} pass of a micro-batch of {size} under FSDP ({summary}); "
+                "a rank cannot re-split alone there (every micro-batch is a collective of all ranks): restart "
+                f"with a micro-batch size of at most {size // 2}"
             )
         halved = micro_batch_size // 2  # halve the micro-batch size, or the failing piece if already smaller
         micro_batch_size, at, redone = halved if halved < size else size // 2, done, 0

@@ -132,7 +132,7 @@ class Trainer:
         precision: ``fp32``, ``bf16``, ``fp16`` (with a GradScaler) or ``bf16-true``.
         max_grad_norm: clip the global gradient's norm once per step; None: no clipping.
         scheduler: stepped once per optimizer step.
-        grad_scaler: a ``torch.amp.GradScaler``; one is made for fp16 when None.
+        grad_scaler: a ``torch.amp.GradScaler`` (a ``ShardedGradScaler`` under FSDP); one is made for fp16 when None.
         workload: what ``micro_batch_size="auto"`` plans with; by default one made of ``model``,
             ``loss``, the optimizer's class and defaults, and batches shaped like the first one.
         noise_scale: measure the gradient noise scale (``trainer.noise_scale``, ``StepResult.noise_scale``)
@@ -385,7 +385,8 @@ class Trainer:
         mine = list(splits[self.rank]) if splits and len(splits) > self.rank else None
         self.sharded = self.sharded or (bool(getattr(plan, "sharded", False)) and self.world_size > 1)
         smallest = 0 if self.sharded else 1  # FSDP plans may end a share with padding (batching.make_splits)
-        if mine and sum(mine) == self.share and max(mine) <= self.micro_batch_size and min(mine) >= smallest:
+        valid = mine and sum(mine) == self.share and max(mine) <= self.micro_batch_size and min(mine) >= smallest
+        if valid and (not self.sharded or len({len(s) for s in splits}) == 1):  # FSDP: ranks agree on the count
             self._splits = mine  # execute the plan exactly as it was made
 
     def _own_workload(self, batch: Batch) -> Workload:
