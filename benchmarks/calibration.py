@@ -28,8 +28,10 @@ expressed through public knobs:
   which then stay reserved (+240 MiB on the Adafactor fp16 row; the AdamW rows move by < 20 MiB). So the
   optimizer here steps once per window, and an accumulation row traces ``accumulation_steps + 1``
   micro-steps (one window and the next micro-step, whose forward runs with the optimizer state allocated;
-  more windows change nothing), through ``trace_workload`` since ``batchfit.estimate`` traces two plain
-  steps. Rows without accumulation go through ``batchfit.estimate`` itself.
+  more windows change nothing), through ``trace_workload``: ``batchfit.estimate(accumulation_steps=k)``
+  traces windows of two micro-steps (the same tensors, but not the cache history of four backward-only
+  micro-steps, nor an optimizer that counts micro-steps itself). Rows without accumulation go through
+  ``batchfit.estimate`` itself.
 * Gradient checkpointing wraps each ``BertLayer`` (``checkpointing="blocks"``).
 * fp16: autocast plus a GradScaler; the scaled loss and the in-place unscale hold a few bytes.
 * The context: 1343 MiB was read after ``torch.ones((1, 1)).cuda()``, whose freed 2 MiB small-pool segment

@@ -55,6 +55,20 @@ def test_estimate_json_on_cpu_agrees_with_the_api(capsys) -> None:
     assert json.loads(out)["peak_allocated_bytes"] == batchfit.estimate("mlp", 8, device="cpu").peak_allocated_bytes
 
 
+@pytest.mark.parametrize("command", ["estimate", "fit"])
+def test_accumulation_steps_reach_the_api_and_bad_values_are_one_line(capsys, command: str) -> None:
+    size = ["-b", "8"] if command == "estimate" else []
+    code, out, err = _run(capsys, command, "mlp", *size, "--device", "1GiB", "--accumulation-steps", "4", "--json")
+    assert code == 0, err
+    got = json.loads(out) if command == "estimate" else json.loads(out)["estimate"]
+    assert got["accumulation_steps"] == 4
+    if command == "estimate":
+        api = batchfit.estimate("mlp", 8, device="1GiB", accumulation_steps=4)
+        assert got["device_total_bytes"] == api.device_total_bytes
+    code, out, err = _run(capsys, command, "mlp", *size, "--accumulation-steps", "0")
+    assert code == 2 and err.strip().count("\n") == 0 and "--accumulation-steps must be a whole number >= 1" in err
+
+
 def test_estimate_table_renders(capsys) -> None:
     code, out, _ = _run(capsys, "estimate", "mlp", "-b", "8", "--device", "T4")
     assert code == 0

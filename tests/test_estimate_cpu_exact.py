@@ -12,6 +12,7 @@ the profiler's ``[memory]`` events attributed to ops, phase by phase.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -169,3 +170,29 @@ def test_measurement_does_not_depend_on_values(workloads: dict) -> None:
     # The ground truth must not depend on the data (another seed, other values), or "0 bytes" means little.
     wl = _workload(workloads, "cnn")
     assert measure_cpu_peak(wl, 3) == measure_cpu_peak(wl, 3, seed=1)
+
+
+@pytest.mark.parametrize(
+    "name, precision",
+    [("mlp", "fp32"), ("gpt", "fp32"), ("cnn", "bf16"), pytest.param("hf-llama-7b", "fp32", marks=needs_hf)],
+)
+def test_accumulation_is_exact_and_never_below_a_plain_step(workloads: dict, name: str, precision: str) -> None:
+    """Micro-batches 2..k run with the earlier gradients alive: traced as such, to the byte."""
+    wl = _workload(workloads, name)
+    est = batchfit.estimate(wl, 3, device="cpu", precision=precision, accumulation_steps=4)
+    accumulating = dataclasses.replace(wl, accumulation_steps=4)
+    assert est.accumulation_steps == 4
+    assert est.peak_allocated_bytes == measure_cpu_peak(accumulating, 3, precision=precision)
+    plain = batchfit.estimate(wl, 3, device="cpu", precision=precision)
+    assert est.peak_allocated_bytes >= plain.peak_allocated_bytes
+
+
+def test_accumulation_keeps_the_gradients_alive_through_the_next_forward(workloads: dict) -> None:
+    """A step whose peak is in the forward (activations) gains about one set of gradients."""
+    wl = _workload(workloads, "gpt")
+    b = GPT_ACTIVATION_BOUND
+    plain = batchfit.estimate(wl, b, device="cpu")
+    est = batchfit.estimate(wl, b, device="cpu", accumulation_steps=2)
+    assert est.peak_phase in ("forward", "backward")
+    assert est.breakdown["gradients"] > plain.breakdown["gradients"]
+    assert est.peak_allocated_bytes > plain.peak_allocated_bytes

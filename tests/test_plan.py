@@ -8,6 +8,7 @@ then pick that remedy and no earlier one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -169,12 +170,18 @@ FP16_LADDER = [("fp32", False, False), ("fp16", False, False), ("fp16", True, Fa
 
 
 def one_item_bytes(device: Device, rung: tuple[str, bool, bool], gpus: int) -> int:
-    """What one item needs on ``device`` under ``rung``, from the estimator (not from the planner)."""
+    """What one item needs on ``device`` under ``rung``, from the estimator (not from the planner).
+
+    With accumulation: every plan below has more items per GPU than fit in one micro-batch.
+    """
     precision, checkpointing, sharded = rung
     if sharded:
-        return fit_estimate_at(LONG_GPT, device, precision, "blocks", True, gpus, 1).device_total_bytes
+        wl = dataclasses.replace(LONG_GPT, accumulation_steps=2)
+        return fit_estimate_at(wl, device, precision, "blocks", True, gpus, 1).device_total_bytes
     ck = "blocks" if checkpointing else None
-    return estimate(LONG_GPT, 1, device=device, precision=precision, checkpointing=ck).device_total_bytes
+    return estimate(
+        LONG_GPT, 1, device=device, precision=precision, checkpointing=ck, accumulation_steps=2
+    ).device_total_bytes
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +268,19 @@ def test_describe_split_names_runs_ranks_and_padding() -> None:
     assert describe_split([[4, 3, 3], [4, 3, 3]]) == "each of 2 ranks: 1 x 4 + 2 x 3"
     assert describe_split([[1, 1], [1, 0]]) == "rank 0: 2 x 1; rank 1: 1 x 1 + 1 padding"
     assert describe_split([[2, 2], [2, 2], [2, 1]]) == "ranks 0-1: 2 x 2; rank 2: 1 x 2 + 1 x 1"
+
+
+ACCUMULATING_GPT = presets.get("gpt", n_layer=2, n_embd=256, n_head=2, vocab_size=4096, seq_len=128)
+
+
+def test_a_plan_that_accumulates_fits_with_the_gradients_alive() -> None:
+    """Micro-batches 2..k run with the gradients alive: a micro-batch that fits a plain step may not."""
+    base = get_device("8GiB")
+    device = base.with_overrides(total_bytes=estimate(ACCUMULATING_GPT, 16, device=base).device_total_bytes)
+    assert fit(ACCUMULATING_GPT, device).max_batch_size >= 16  # a plain step of 16 fits...
+    assert estimate(ACCUMULATING_GPT, 16, device=device, accumulation_steps=2).device_total_bytes > device.total_bytes
+    p = plan(ACCUMULATING_GPT, 64, device=device)  # ...but 64 items need accumulation, and 16 then does not fit
+    assert p.accumulation_steps > 1 and p.micro_batch_size < 16 and sum(p.splits[0]) == 64
+    assert p.estimate.accumulation_steps == 2 and p.estimate.device_total_bytes <= device.total_bytes
+    one_window = plan(ACCUMULATING_GPT, 16, device=device)  # no accumulation: the plain step is the step
+    assert one_window.splits == [[16]] and one_window.estimate.accumulation_steps == 1

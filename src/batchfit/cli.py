@@ -40,6 +40,13 @@ SetOpt = Annotated[
 ]
 CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing of blocks.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+AccumulationOpt = Annotated[
+    int,
+    typer.Option(
+        "--accumulation-steps",
+        help="Micro-batches per optimizer step: above 1, earlier gradients stay alive through later micro-batches.",
+    ),
+]
 ContextOpt = Annotated[
     float | None, typer.Option("--context-mib", help="Override the device's CUDA context size (MiB).")
 ]
@@ -114,6 +121,7 @@ def estimate(
     expandable_segments: Annotated[
         bool, typer.Option("--expandable-segments", help="Model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
     ] = False,
+    accumulation_steps: AccumulationOpt = 1,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -122,6 +130,7 @@ def estimate(
     from .memory.estimate import estimate as run_estimate
 
     check_batch_size(batch_size, "--batch-size")
+    check_batch_size(accumulation_steps, "--accumulation-steps")
     dev = _device(device, context_mib)
     wl = _workload(preset, seq_len, optimizer, set_)
     est = run_estimate(
@@ -131,6 +140,7 @@ def estimate(
         precision=precision,
         checkpointing="blocks" if checkpointing else None,
         expandable_segments=expandable_segments,
+        accumulation_steps=accumulation_steps,
     )
     if as_json:
         _emit_json(est.to_dict())
@@ -184,12 +194,16 @@ def fit_command(
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = False,
     margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
+    accumulation_steps: AccumulationOpt = 1,
     context_mib: ContextOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
     from .fit import fit
+    from .memory.estimate import check_batch_size
+
+    check_batch_size(accumulation_steps, "--accumulation-steps")
 
     result = fit(
         _workload(preset, seq_len, optimizer, set_),
@@ -197,6 +211,7 @@ def fit_command(
         precision=precision,
         checkpointing="blocks" if checkpointing else None,
         margin=margin,
+        accumulation_steps=accumulation_steps,
     )
     if as_json:
         _emit_json(result.to_dict())

@@ -19,7 +19,7 @@ import torch
 from .checkpointing import checkpoint_classes
 from .devices import Device, get_device
 from .errors import ConfigError, DoesNotFitError
-from .memory.estimate import Estimate, _as_workload, finish_estimate, trace_for_device
+from .memory.estimate import Estimate, _as_workload, finish_estimate, trace_for_device, with_accumulation
 from .memory.scaling import TraceLine
 from .memory.trace import MemoryTrace
 from .precision import PrecisionPolicy, policy_for
@@ -220,6 +220,7 @@ def fit(
     expandable_segments: bool = False,
     shard_over: int = 1,
     verify: bool = True,
+    accumulation_steps: int | None = None,
 ) -> FitResult:
     """The largest micro-batch of ``workload`` that fits on ``device``.
 
@@ -235,6 +236,8 @@ def fit(
         shard_over: fit one rank of FSDP over this many GPUs (``memory/sharding.py``).
         verify: trace (or run) the answer and its successor to confirm it; False trusts the line
             drawn through two traces (two trials instead of four; used for a plan's alternatives).
+        accumulation_steps: micro-batches per optimizer step (None: the workload's, 1 by default);
+            above 1, the micro-batch must fit with the earlier micro-batches' gradients alive.
 
     Raises:
         ConfigError: a device without a capacity (the cpu), or a margin outside [0, 1).
@@ -248,7 +251,7 @@ def fit(
     """
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
-    workload = _as_workload(workload)
+    workload = with_accumulation(_as_workload(workload), accumulation_steps)
     verify_real: Callable[[int], bool] | None = None
     if isinstance(device, SimulatedDevice):
         sim = device

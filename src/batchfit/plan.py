@@ -17,7 +17,7 @@ from .batching import make_splits, rank_shares
 from .devices import Device, catalog, get_device
 from .errors import ConfigError, DoesNotFitError
 from .fit import FitResult, fit
-from .memory.estimate import Estimate, _as_workload
+from .memory.estimate import Estimate, _as_workload, with_accumulation
 
 
 @dataclass(frozen=True)
@@ -177,20 +177,20 @@ def plan(
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
     rungs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks))
     share = rank_shares(global_batch_size, gpus)[0]
-    chosen: tuple[FitResult, tuple] | None = None
+    chosen: tuple[FitResult, tuple, Any] | None = None
     options: list[PlanOption] = []
     for rung in rungs:
         prec, ck, sharded, remedies = rung
+        shards, verify, rung_wl = gpus if sharded else 1, chosen is None, wl
         try:
-            result = fit(
-                wl,
-                dev,
-                precision=prec,
-                checkpointing=ck,
-                margin=margin,
-                shard_over=gpus if sharded else 1,
-                verify=chosen is None,
-            )
+            result = fit(wl, dev, precision=prec, checkpointing=ck, margin=margin, shard_over=shards, verify=verify)
+            if result.max_batch_size < share and wl.accumulation_steps < 2:
+                # The share needs several micro-batches: fit again with the earlier ones' gradients alive
+                # through the later ones (see Workload.accumulation_steps); the answer can only shrink.
+                rung_wl = with_accumulation(wl, 2)
+                result = fit(
+                    rung_wl, dev, precision=prec, checkpointing=ck, margin=margin, shard_over=shards, verify=verify
+                )
         except DoesNotFitError:
             options.append(PlanOption(prec, ck is not None, sharded, 0, 0, 0, None, None, remedies))
             continue
@@ -210,19 +210,19 @@ def plan(
             )
         )
         if chosen is None:
-            chosen = (result, rung)
+            chosen = (result, rung, rung_wl)
             # Fitting more rungs only refines alternatives; one more rung past the first fit is enough
             # to show what the next remedy would buy.
             continue
         break
     if chosen is None:
         raise _nothing_fits(wl, dev, gpus, rungs)
-    result, (prec, ck, sharded, remedies) = chosen
+    result, (prec, ck, sharded, remedies), fitted_wl = chosen
     splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=sharded)
     micro = max(max(s) for s in splits)
     est = result.estimate
     if micro != result.max_batch_size:
-        est = fit_estimate_at(wl, dev, prec, ck, sharded, gpus, micro)
+        est = fit_estimate_at(fitted_wl, dev, prec, ck, sharded, gpus, micro)
     warnings = _warnings(wl, micro, global_batch_size, gpus)
     picked = (prec, ck is not None, sharded)
     alternatives = tuple(

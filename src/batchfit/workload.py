@@ -65,6 +65,13 @@ class Workload:
     set_grads_to_none: bool = True
     """Whether ``zero_grad`` frees gradients (torch >= 2.0 default) or zeroes them in place (older
     loops, e.g. transformers' Trainer before 2023), which keeps them allocated through the forward."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step of the loop whose memory is estimated. Above 1, gradients are
+    alive (and accumulated into) through the forward and backward of micro-batches 2..k, which a
+    plain step never has: the trace runs two micro-batches per step (the later ones repeat the
+    second's tensors exactly; the caching allocator's history of many micro-batches can differ by a
+    few segments). ``estimate``/``fit`` take it as ``accumulation_steps=``; ``plan`` sets it when the
+    split needs accumulation."""
     config: dict[str, Any] = field(default_factory=dict)
     """The knobs a preset was built with (sizes, seq_len, optimizer), for reports and JSON."""
 

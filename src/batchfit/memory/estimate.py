@@ -54,6 +54,8 @@ class Estimate:
     """The closed-form estimate (``memory/analytic.py``), for comparison."""
     num_alloc_retries: int = 0
     """Times the caching allocator had to free its cache and retry (fragmentation pressure)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step the estimate is for (see ``Workload.accumulation_steps``)."""
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -127,6 +129,7 @@ def estimate_from_trace(
     expandable_segments: bool = False,
     analytic: dict[str, Any] | None = None,
     allocator_capacity: int | None = None,
+    accumulation_steps: int = 1,
 ) -> Estimate:
     """Turn a trace into an ``Estimate`` for ``device`` (exact bytes on CPU, allocator model on CUDA).
 
@@ -176,6 +179,7 @@ def estimate_from_trace(
         workspace_bytes=workspace,
         analytic=analytic or {},
         num_alloc_retries=retries,
+        accumulation_steps=accumulation_steps,
     )
 
 
@@ -196,6 +200,7 @@ def estimate(
     precision: str = "fp32",
     checkpointing: Any = None,
     expandable_segments: bool = False,
+    accumulation_steps: int | None = None,
 ) -> Estimate:
     """Estimate the memory of one training step of ``workload`` at ``batch_size`` on ``device``.
 
@@ -211,6 +216,9 @@ def estimate(
         precision: ``fp32``, ``bf16``, ``fp16`` (autocast) or ``bf16-true``.
         checkpointing: None, ``"blocks"`` (the workload's blocks) or a list of module classes.
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        accumulation_steps: micro-batches of ``batch_size`` per optimizer step (None: the workload's,
+            1 by default). Above 1 the gradients of earlier micro-batches are alive through the
+            later ones' forward and backward, which can move the peak.
 
     Returns:
         An ``Estimate``.
@@ -231,7 +239,7 @@ def estimate(
     from ..devices import get_device
     from ..precision import policy_for
 
-    workload = _as_workload(workload)
+    workload = with_accumulation(_as_workload(workload), accumulation_steps)
     batch_size = check_batch_size(batch_size)
     dev = get_device(device)
     policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
@@ -292,7 +300,17 @@ def finish_estimate(
         expandable_segments=expandable_segments,
         analytic=analytic_estimate(workload, batch_size, policy, trace),
         allocator_capacity=allocator_capacity,
+        accumulation_steps=workload.accumulation_steps,
     )
+
+
+def with_accumulation(workload: Any, accumulation_steps: Any) -> Any:
+    """``workload`` with ``accumulation_steps`` (checked: a whole number >= 1); None keeps its own."""
+    if accumulation_steps is None or accumulation_steps == workload.accumulation_steps:
+        return workload
+    import dataclasses
+
+    return dataclasses.replace(workload, accumulation_steps=check_batch_size(accumulation_steps, "accumulation_steps"))
 
 
 def _as_workload(workload: Any) -> Any:

@@ -70,6 +70,7 @@ def run_steps(
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     mark: Marker = _no_marker,
     set_grads_to_none: bool = True,
+    micro_batches: int = 1,
 ) -> None:
     """Run ``steps`` full training steps: batch, forward + loss, backward, optimizer step, zero_grad.
 
@@ -82,16 +83,19 @@ def run_steps(
         mark: called with ``(phase, step)`` as each phase starts (the tracer's timeline).
         set_grads_to_none: ``zero_grad(set_to_none=...)``; False keeps gradient buffers allocated
             between steps (torch < 2.0's default, and older training loops').
+        micro_batches: forward + backward passes per optimizer step (gradient accumulation): the
+            second and later find the gradients of the earlier ones alive.
     """
     batch = loss = None
     for step in range(steps):
-        mark("batch", step)
-        batch = make_batch()
-        mark("forward", step)
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            loss = loss_for_backward(loss_fn(model, batch))
-        mark("backward", step)
-        loss.backward()
+        for _ in range(micro_batches):
+            mark("batch", step)
+            batch = make_batch()
+            mark("forward", step)
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                loss = loss_for_backward(loss_fn(model, batch))
+            mark("backward", step)
+            loss.backward()
         mark("optimizer", step)
         optimizer.step()
         mark("zero_grad", step)
@@ -171,6 +175,7 @@ def run_workload_steps(
         autocast=autocast,
         mark=mark,
         set_grads_to_none=workload.set_grads_to_none,
+        micro_batches=min(max(int(getattr(workload, "accumulation_steps", 1)), 1), 2),  # see Workload
     )
 
 

@@ -20,7 +20,8 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     """Breakdown at the peak, top modules, analytic vs traced, and the device's headroom."""
     title = (
         f"{est.workload} · batch {est.batch_size} · {est.precision}"
-        f"{' · checkpointing' if est.checkpointing else ''} · {est.device}"
+        f"{' · checkpointing' if est.checkpointing else ''}"
+        f"{f' · {est.accumulation_steps} micro-batches per step' if est.accumulation_steps > 1 else ''} · {est.device}"
     )
     breakdown = Table(title=title, title_justify="left")
     breakdown.add_column("at the peak", style="bold")
