@@ -281,6 +281,7 @@ def test_a_plan_that_accumulates_fits_with_the_gradients_alive() -> None:
     assert estimate(ACCUMULATING_GPT, 16, device=device, accumulation_steps=2).device_total_bytes > device.total_bytes
     p = plan(ACCUMULATING_GPT, 64, device=device)  # ...but 64 items need accumulation, and 16 then does not fit
     assert p.accumulation_steps > 1 and p.micro_batch_size < 16 and sum(p.splits[0]) == 64
-    assert p.estimate.accumulation_steps == 2 and p.estimate.device_total_bytes <= device.total_bytes
+    assert p.estimate.accumulation_steps == p.accumulation_steps
+    assert p.estimate.device_total_bytes <= device.total_bytes
     one_window = plan(ACCUMULATING_GPT, 16, device=device)  # no accumulation: the plain step is the step
     assert one_window.splits == [[16]] and one_window.estimate.accumulation_steps == 1

@@ -111,7 +111,8 @@ def test_memory_by_batch_size_shows_the_estimates(built) -> None:
     assert sizes[0] == 1 and sizes[-1] >= built.plan.max_micro_batch_size
     for i in (0, len(sizes) // 2, len(sizes) - 1):
         b = sizes[i]
-        est = batchfit.estimate(_tiny_gpt(), b, device=DEVICE, precision="fp32")
+        # The plan accumulates (3 micro-batches): the curve is of steps with the gradients alive throughout.
+        est = batchfit.estimate(_tiny_gpt(), b, device=DEVICE, precision="fp32", accumulation_steps=3)
         stacked = {c.value: data["categories"][c.value][i] for c in ORDER}
         assert sum(stacked.values()) == est.peak_allocated_bytes, b
         assert stacked == est.breakdown
@@ -124,13 +125,15 @@ def test_memory_by_batch_size_shows_the_estimates(built) -> None:
 
 def test_memory_timeline_shows_the_traced_step(built) -> None:
     data = built.figure("memory_timeline").data
-    est = batchfit.estimate(_tiny_gpt(), built.batch_size, device=DEVICE, precision="fp32")
+    est = batchfit.estimate(_tiny_gpt(), built.batch_size, device=DEVICE, precision="fp32", accumulation_steps=3)
     assert built.estimate.peak_allocated_bytes == est.peak_allocated_bytes
     assert max(data["total"]) == data["peak_bytes"] == est.peak_allocated_bytes
     at_peak = {c: series[data["peak_index"]] for c, series in data["categories"].items()}
     assert at_peak == est.breakdown
     assert len(data["total"]) == len(built.trace.events)
-    assert [p[1] for p in data["phases"][:5]] == ["setup", "batch", "forward", "backward", "optimizer"]
+    # Two micro-batches per step (the plan accumulates), then the optimizer.
+    phases = ["setup", "batch", "forward", "backward", "batch", "forward", "backward", "optimizer"]
+    assert [p[1] for p in data["phases"][: len(phases)]] == phases
     assert data["total"][-1] == sum(series[-1] for series in data["categories"].values())
 
 

@@ -10,6 +10,7 @@ trainer weights every micro-batch by its item count, so any split is the same gr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,6 +224,9 @@ def plan(
     est = result.estimate
     if micro != result.max_batch_size:
         est = fit_estimate_at(fitted_wl, dev, prec, ck, sharded, gpus, micro)
+    accumulation = max(len(s) for s in splits)
+    if fitted_wl.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
+        est = dataclasses.replace(est, accumulation_steps=accumulation)
     warnings = _warnings(wl, micro, global_batch_size, gpus)
     picked = (prec, ck is not None, sharded)
     alternatives = tuple(
@@ -234,7 +238,7 @@ def plan(
         gpus=gpus,
         device=dev.name,
         micro_batch_size=micro,
-        accumulation_steps=max(len(s) for s in splits),
+        accumulation_steps=accumulation,
         precision=prec,
         checkpointing=ck is not None,
         sharded=sharded,

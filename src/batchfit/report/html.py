@@ -119,7 +119,13 @@ def build_report(
     """
     from ..checkpointing import checkpoint_classes
     from ..devices import get_device
-    from ..memory.estimate import _as_workload, check_batch_size, finish_estimate, trace_for_device
+    from ..memory.estimate import (
+        _as_workload,
+        check_batch_size,
+        finish_estimate,
+        trace_for_device,
+        with_accumulation,
+    )
     from ..memory.sharding import shard_trace
     from ..plan import plan as make_plan
     from ..precision import policy_for
@@ -151,6 +157,8 @@ def build_report(
             plan = make_plan(wl, global_batch, device=dev, gpus=gpus, precision=precision, checkpointing=checkpointing)
         except DoesNotFitError as exc:
             note = str(exc)
+    if plan is not None and plan.accumulation_steps > 1:  # traced as the plan fitted it: gradients alive
+        wl = with_accumulation(wl, plan.accumulation_steps)  # through later micro-batches (Workload docs)
     prec = plan.precision if plan is not None else (precision or "fp32")
     ck = ("blocks" if plan.checkpointing else None) if plan is not None else checkpointing
     shard_over = gpus if plan is not None and plan.sharded else 1
