@@ -20,9 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import batchfit.train.accumulate as accumulate_module
 from batchfit.batching import split_batch
 from batchfit.errors import ConfigError
+from batchfit.fit import fit
 from batchfit.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator, StepResult, micro_batch_sizes
 from batchfit.train.trainer import Trainer
+from batchfit.workload import Workload
 
 G = 10  # global batch
 STEPS = 4
@@ -443,6 +445,38 @@ def test_auto_with_the_real_plan_on_a_simulated_gpu() -> None:
         result = trainer.step(batch)
     assert result.micro_batch_size == trainer.plan.micro_batch_size < 2048
     assert list(result.micro_batch_sizes) == trainer.plan.splits[0] and not result.replanned
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def test_auto_plans_for_the_gradients_alive_through_the_window() -> None:
+    """A micro-batch sized by a plain step runs out of memory in the window; the plan's does not."""
+    wl = Workload(
+        model=_wide_mlp,
+        batch=lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))),
+        loss=mean_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    data = [wl.batch(4096) for _ in range(2)]  # the second step has AdamW's states on the device too
+
+    def run(micro: Any) -> tuple[Trainer, list[StepResult]]:
+        with SimulatedDevice("80MiB") as gpu:
+            model = _wide_mlp()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            trainer = Trainer(model, optimizer, mean_loss, global_batch_size=4096, micro_batch_size=micro,
+                              device=gpu, workload=wl)  # fmt: skip
+            return trainer, [trainer.step(b) for b in data]
+
+    plain = fit(wl, SimulatedDevice("80MiB").device).max_batch_size  # what fits one plain step
+    _, results = run(plain)
+    assert any(r.replanned and r.replanned[0].phase == "backward" for r in results)
+    trainer, results = run("auto")
+    assert trainer.micro_batch_size < plain
+    assert trainer.plan.estimate.accumulation_steps == trainer.plan.accumulation_steps > 1
+    assert all(not r.replanned and list(r.micro_batch_sizes) == trainer.plan.splits[0] for r in results)
 
 
 # -- bad input -------------------------------------------------------------------------------------------------
