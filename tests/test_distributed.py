@@ -117,7 +117,8 @@ def _worker_pids(parent: int) -> list[int]:
     return pids
 
 
-def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", [[], ["--shard"]], ids=["ddp", "fsdp"])
+def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path: Path, sharding: list[str]) -> None:
     steps = 12
     ck = tmp_path / "ck.pt"
     ref = _one_process("--global-batch-size", "30", "--steps", str(steps), "--save", str(tmp_path / "ref.pt"))
@@ -132,6 +133,7 @@ def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path: Path) -> None:
         str(ck),
         "--save",
         str(tmp_path / "out.pt"),
+        *sharding,
         restarts=1,
     )
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
