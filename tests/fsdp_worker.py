@@ -23,7 +23,7 @@ from batchfit.batching import make_splits, rank_shares, slice_batch
 from batchfit.errors import ConfigError
 from batchfit.presets import get
 from batchfit.simulated import SimulatedDevice
-from batchfit.train.distributed import init_distributed, shutdown
+from batchfit.train.distributed import decided_on_main, init_distributed, shutdown
 from batchfit.train.trainer import Trainer
 
 MAX_GRAD_NORM = 0.05  # small enough that clipping acts on every step
@@ -105,6 +105,21 @@ def main() -> None:
         "noise_calls": noise.calls,
         "noise_expected": expected_noise,
     }
+    # Decisions (plans) are rank 0's on every rank, errors included.
+    decided: list[Any] = [None] * place.world_size
+    torch.distributed.all_gather_object(decided, decided_on_main(lambda: 10 + place.rank))
+
+    def refuse() -> None:
+        raise ConfigError("no plan here" if place.rank == 0 else "another rank's error")
+
+    try:
+        decided_on_main(refuse)
+        refused = "nothing raised"
+    except ConfigError as exc:
+        refused = str(exc)
+    refusals: list[Any] = [None] * place.world_size
+    torch.distributed.all_gather_object(refusals, refused)
+    report.update(decided=decided, refused=refusals)
     # fp16 under FSDP: the GradScaler made for it becomes a ShardedGradScaler (every rank skips alike).
     half = copy.deepcopy(reference)
     fp16 = Trainer(half, torch.optim.SGD(half.parameters(), lr=0.01), wl.loss, global_batch_size=global_batch,

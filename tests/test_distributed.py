@@ -201,7 +201,11 @@ def test_sharded_training_equals_one_process(tmp_path: Path, global_batch_size: 
     assert _max_rel_diff(tmp_path / "p1.pt", tmp_path / "p2.pt") <= 1e-12
 
 
-@pytest.mark.parametrize(("first", "second"), [(["--shard"], []), ([], ["--shard", "--micro-batch-size", "auto"])])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(["--shard"], []), ([], ["--shard", "--micro-batch-size", "auto"]), (["--shard"], ["--shard"])],
+    ids=["fsdp-to-one", "one-to-fsdp-auto", "fsdp-to-fsdp"],  # the last loads into an already sharded model
+)
 def test_a_sharded_checkpoint_resumes_unsharded_and_back(tmp_path: Path, first: list[str], second: list[str]) -> None:
     """Checkpoints hold whole states whatever wrote them: FSDP on 2 ranks -> 1 process, and 1 -> FSDP on 2."""
     ck = tmp_path / "ck.pt"
@@ -239,6 +243,7 @@ def test_the_sharded_trainer_is_the_large_batch_by_hand(tmp_path: Path, global_b
     assert report["sharded"] and report["dtensor_params"] and report["optimizer_holds_sharded"]
     assert report["max_rel_diff"] <= 1e-12
     assert report["fp16"]["scaler"] == "ShardedGradScaler" and len(set(report["fp16"]["scales"])) == 1
+    assert report["decided"] == [10, 10] and report["refused"] == ["no plan here"] * 2  # rank 0's, on both
     assert report["simulated"].startswith("FSDP sharding does not run on a simulated 1.00 GiB GPU")
     sizes = report["micro_batch_sizes"]  # [rank][step]
     if micro == 1:  # shares 2 and 1: rank 1 joins the second micro-batch's collectives with a padding piece

@@ -213,12 +213,14 @@ def test_a_synchronising_ddp_backward_is_not_redone(monkeypatch: pytest.MonkeyPa
         trainer.step(data(1, n=12)[0])
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize(("phase", "at"), [("forward", 1), ("backward", 1), ("backward", 2)])
 def test_under_fsdp_an_oom_names_a_smaller_micro_batch_instead_of_re_splitting_one_rank(
-    monkeypatch: pytest.MonkeyPatch, phase: str
+    monkeypatch: pytest.MonkeyPatch, phase: str, at: int
 ) -> None:
-    model = build_faulty(**{f"{phase}_at": {1}})
+    """Also in the window's last backward (``at=2``), which under DDP alone re-raises the raw error."""
+    model = build_faulty(**{f"{phase}_at": {at}})
     trainer, cache = faulty_trainer(monkeypatch, model, micro=4)
+    trainer.accumulator.world_size = 2  # as if another rank were waiting in the collectives
     monkeypatch.setattr(Accumulator, "sharded", property(lambda self: True))  # every micro-batch a collective
     with pytest.raises(DoesNotFitError, match=f"in the {phase} pass of a micro-batch of 4 under FSDP") as info:
         trainer.step(data(1, n=12)[0])

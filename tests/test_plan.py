@@ -18,7 +18,10 @@ from batchfit import ConfigError, DoesNotFitError, estimate, get_device, presets
 from batchfit.batching import make_splits, rank_shares, split_share
 from batchfit.devices import Device
 from batchfit.fit import fit
+from batchfit.memory.sharding import unit_of
+from batchfit.models import hf
 from batchfit.plan import describe_split, fit_estimate_at, plan
+from batchfit.train.fsdp import fsdp_units
 
 MLP = presets.get("mlp")
 GPT = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
@@ -285,3 +288,22 @@ def test_a_plan_that_accumulates_fits_with_the_gradients_alive() -> None:
     assert p.estimate.device_total_bytes <= device.total_bytes
     one_window = plan(ACCUMULATING_GPT, 16, device=device)  # no accumulation: the plain step is the step
     assert one_window.splits == [[16]] and one_window.estimate.accumulation_steps == 1
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("gpt", dict(n_layer=3, n_embd=32, n_head=2, vocab_size=64, seq_len=8)),
+        pytest.param(
+            "hf-llama-7b",
+            dict(layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64, seq_len=8),
+            marks=pytest.mark.skipif(not hf.available(), reason="transformers is not installed"),
+        ),
+    ],
+)
+def test_the_units_fsdp_runs_are_the_units_the_estimate_assumes(name: str, shape: dict) -> None:
+    """``fully_shard`` per numbered block, the root for the rest (an untied head included)."""
+    model = presets.get(name, **shape).build_model()
+    runtime = {path for path, module in model.named_modules() if any(module is u for u in fsdp_units(model))}
+    assumed = {unit_of(path.rpartition(".")[0]) for path, _ in model.named_parameters()}
+    assert runtime and assumed == runtime | {""}

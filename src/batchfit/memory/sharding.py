@@ -26,12 +26,16 @@ _SHARDED = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)
 
 
 def unit_of(module_path: str) -> str:
-    """The FSDP unit a module belongs to: its path up to the first numbered block, or the root."""
+    """The FSDP unit a module belongs to: its path up to the first numbered block, or the root ``""``.
+
+    The root unit holds every parameter outside the numbered blocks (embeddings, final norm, an untied
+    head), as ``fully_shard`` on the root gathers them together (``batchfit.train.fsdp``).
+    """
     parts = module_path.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return parts[0] if parts else ""
+    return ""
 
 
 def largest_unit_bytes(trace: MemoryTrace) -> int:

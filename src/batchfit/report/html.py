@@ -157,8 +157,9 @@ def build_report(
             plan = make_plan(wl, global_batch, device=dev, gpus=gpus, precision=precision, checkpointing=checkpointing)
         except DoesNotFitError as exc:
             note = str(exc)
-    if plan is not None and plan.accumulation_steps > 1:  # traced as the plan fitted it: gradients alive
-        wl = with_accumulation(wl, plan.accumulation_steps)  # through later micro-batches (Workload docs)
+    traced_wl = wl  # the plan's steps as it fitted them: with accumulation, gradients alive in later micro-batches
+    if plan is not None and plan.accumulation_steps > 1 and batch_size is None:
+        traced_wl = with_accumulation(wl, plan.accumulation_steps)
     prec = plan.precision if plan is not None else (precision or "fp32")
     ck = ("blocks" if plan.checkpointing else None) if plan is not None else checkpointing
     shard_over = gpus if plan is not None and plan.sharded else 1
@@ -167,16 +168,16 @@ def build_report(
     micro = batch_size or (plan.micro_batch_size if plan is not None else 8)
 
     say(f"tracing one step at micro-batch {micro}")
-    known: dict[int, MemoryTrace] = {micro: trace_for_device(wl, micro, dev, policy, classes)}
+    known: dict[int, MemoryTrace] = {micro: trace_for_device(traced_wl, micro, dev, policy, classes)}
     trace = shard_trace(known[micro], shard_over)
-    est = finish_estimate(trace, wl, micro, dev, policy, classes)
+    est = finish_estimate(trace, traced_wl, micro, dev, policy, classes)
 
     say("predicting memory over batch sizes")
     largest = plan.max_micro_batch_size if plan is not None else 2 * micro
     marked = (micro, largest) if plan is not None else (micro,)
     upper = max(-(-largest * 5 // 4), micro, 4)
     curve = estimates_over_batch_sizes(
-        wl, dev, policy, classes, upper, known=known, marked=marked, shard_over=shard_over
+        traced_wl, dev, policy, classes, upper, known=known, marked=marked, shard_over=shard_over
     )
 
     sweep_result = None

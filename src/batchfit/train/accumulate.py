@@ -265,7 +265,7 @@ class Accumulator:
         max_grad_norm: clip the total gradient norm to this once per step (None: no clipping).
         scheduler: stepped once per optimizer step (not when fp16 skipped the step).
         grad_scaler: a ``torch.amp.GradScaler``; by default one is made for ``precision="fp16"`` (a
-            ``ShardedGradScaler`` once the model is sharded with FSDP: see ``_sharded_scaler``).
+            ``ShardedGradScaler`` once the model is sharded with FSDP: see ``match_sharding``).
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast of the forward) or ``bf16-true``.
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; by default that of the first parameter.
         noise_scale: measure the gradient noise scale into this ``GradientNoiseScale`` (True: a new
@@ -352,7 +352,7 @@ class Accumulator:
                 "the window's micro-batches again"
             )
         if self.grad_scaler is not None and not self._values:
-            self._sharded_scaler()
+            self.match_sharding()
         return MicroStep(self, batch_size_of(micro_batch) if n_items is None else n_items, last)
 
     @property
@@ -471,12 +471,13 @@ class Accumulator:
         return is_sharded(self.model)
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _sharded_scaler(self) -> None:
+    def match_sharding(self) -> None:
         """Under FSDP, a scaler that agrees across ranks on whether to skip the step.
 
         A ``GradScaler`` looks for inf/NaN in this rank's gradient slices only: one rank would skip a
         step the others take. ``ShardedGradScaler`` all-reduces what it found. The one made here is
         replaced (its state carried over); one passed in must already be a ``ShardedGradScaler``.
+        Call it after sharding the model (the Trainer does); every window's start checks it again.
         """
         if not self.sharded:
             return

@@ -14,6 +14,7 @@ import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,7 @@ def wrap_model(
     if world_size() == 1 or is_sharded(model) or no_sync_of(model) is not None:
         return model
     if sharded:
-        return shard_model(model, optimizer)
+        return shard_model(model, optimizer, device)
     device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
@@ -127,6 +128,27 @@ def world_size() -> int:
 def rank() -> int:
     """This process's rank in the default group; 0 without ``dist``."""
     return dist.get_rank() if world_size() > 1 else 0
+
+
+def decided_on_main(decide: Callable[[], Any]) -> Any:
+    """``decide()`` run on rank 0 only, its result (or its error) given to every rank.
+
+    For decisions every rank must share: under FSDP a plan that differed between ranks (shapes of
+    their own batches, different GPUs) would make them call different collectives and hang.
+    """
+    if world_size() == 1:
+        return decide()
+    box: list[Any] = [None]
+    if rank() == 0:
+        try:
+            box[0] = (True, decide())
+        except Exception as exc:  # every rank raises it, instead of waiting for rank 0 forever
+            box[0] = (False, exc)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@
 holding a ``DTensor``: this rank's 1/W slice along dim 0. Three things follow that a loop must handle:
 
 - The optimizer was built on the old parameters. Its parameter groups are re-pointed at the new ones
-  (same order, same hyper-parameters; schedulers keep working because the optimizer object stays),
-  which is only sound while it holds no state yet: sharding happens before the first step.
+  (same order, same hyper-parameters; schedulers keep working because the optimizer object stays);
+  state it already holds (a checkpoint loaded before sharding) is taken whole and sliced again.
 - Each rank slices *its own* copy of the full parameters, so the copies must be equal first: rank 0's
   parameters and buffers are broadcast before sharding (DDP does the same at construction).
 - A checkpoint must not depend on the world size it was written on. States are gathered whole
@@ -56,8 +56,13 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+def shard_model(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device: torch.device | None = None
+) -> nn.Module:
     """``fully_shard`` each unit and the root, after equalising the ranks' copies; re-point ``optimizer``.
+
+    ``device`` (by default the parameters') decides the mesh: without one, ``fully_shard`` would
+    move CPU parameters to a GPU whenever the machine has one, away from the batches.
 
     Returns the same module object (``fully_shard`` works in place). An optimizer that already holds
     state (a checkpoint was loaded) keeps it: its whole state is taken before and sliced after.
@@ -69,8 +74,13 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         raise ConfigError("FSDP sharding needs a process group: launch with torchrun --nproc_per_node=N")
     if is_sharded(model):
         return model
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     name_of = {id(p): name for name, p in model.named_parameters()}
     whole_state = None
     if optimizer is not None:
@@ -87,8 +97,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)  # FSDP slices each rank's own copy: make them rank 0's
     for unit in fsdp_units(model):
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if optimizer is not None:
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:

@@ -120,7 +120,7 @@ def _attempt(run_micro: RunMicro, acc: Accumulator, micro: Batch, size: int, las
         if not is_out_of_memory(exc):
             raise
         phase = "backward" if acc.needs_reset else "forward"
-        if phase == "backward" and last and acc.world_size > 1:
+        if phase == "backward" and last and acc.world_size > 1 and not acc.sharded:  # FSDP: run_window's error
             log.error("out of memory in the synchronising backward of a DDP window: cannot redo it on one rank")
             raise
         return phase, _summary(exc)  # leaving the except drops the traceback and the frames it holds

@@ -40,7 +40,7 @@ from ..simulated import SimulatedDevice
 from ..units import format_bytes
 from ..workload import Workload
 from .accumulate import Accumulator, StepResult, micro_batch_sizes
-from .distributed import rank, world_size, wrap_model
+from .distributed import decided_on_main, rank, world_size, wrap_model
 from .fsdp import is_sharded
 from .oom import CacheReleaser, CudaCache, NoCache, is_out_of_memory, release_memory, run_window
 
@@ -148,7 +148,9 @@ class Trainer:
     parameters; build it on the plain model as usual). With ``micro_batch_size="auto"`` the wrap
     waits for the plan at the first step. Under FSDP every rank runs the same number of
     micro-batches (``batching.make_splits``), and an out-of-memory error is not re-split (ranks
-    cannot re-split alone when every micro-batch is a collective).
+    cannot re-split alone when every micro-batch is a collective); like one in the optimizer step,
+    it stops this rank with ``DoesNotFitError`` while the others wait in a collective until torchrun
+    (or the process group's timeout) ends them. With ``"auto"``, rank 0 plans for every rank.
 
     Raises:
         ConfigError: a non-positive or too small global batch, a micro-batch size that is not
@@ -307,6 +309,7 @@ class Trainer:
         self.model = wrap_model(self.model, self._where.device, sharded=self.sharded, optimizer=self.optimizer)
         self.accumulator.model = self.model
         self.sharded = is_sharded(self.model)
+        self.accumulator.match_sharding()  # fp16: a ShardedGradScaler from now on (trainer.accumulator.grad_scaler)
         if self.sharded and self._splits is None:
             assert self.micro_batch_size is not None
             splits = make_splits(self.global_batch_size, self.world_size, self.micro_batch_size, same_count=True)
@@ -356,7 +359,7 @@ class Trainer:
                 "pass micro_batch_size=N"
             ) from exc
         workload = self._workload or self._own_workload(batch)
-        run = partial(
+        run: Callable[[], Any] = partial(
             make_plan,
             workload,
             self.global_batch_size,
@@ -367,10 +370,14 @@ class Trainer:
         if self._where.simulated is not None:
             # Dispatch modes are per thread: planning traces fake tensors, which the simulated device's
             # mode (active in this thread) would otherwise count as allocations of its own.
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-                plan = pool.submit(run).result()
-        else:
-            plan = run()
+            planner = run
+
+            def in_a_thread() -> Any:
+                with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                    return pool.submit(planner).result()
+
+            run = in_a_thread
+        plan = decided_on_main(run)  # rank 0 plans for every rank (they must agree on the split)
         if getattr(plan, "checkpointing", False):
             from ..checkpointing import apply_checkpointing, checkpoint_classes
 
