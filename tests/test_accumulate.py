@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_models import IGNORE, VOCAB, mean_loss, mlp, token_loss, token_model
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -28,50 +29,18 @@ from batchfit.workload import Workload
 
 G = 10  # global batch
 STEPS = 4
-IGNORE = -100
-VOCAB = 11
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- workloads ------------------------------------------------------------------------------------------
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
-
-
-def mean_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
 def class_batches(steps: int = STEPS, n: int = G) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     return [
         (torch.randn(n, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen))
         for _ in range(steps)
     ]
-
-
-class TokenModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.head = nn.Linear(8, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.emb(idx)))  # (b, t, vocab)
-
-
-def token_model() -> nn.Module:
-    return TokenModel().double()
-
-
-def token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    idx, targets = batch
-    logits = model(idx)
-    total = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=IGNORE, reduction="sum")
-    return total, (targets != IGNORE).sum()
 
 
 def token_batches(steps: int = STEPS, n: int = G, t: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tiny_models import IGNORE, VOCAB, mean_loss, mlp, token_loss, token_model
 from torch import nn
 
 import batchfit.train.accumulate as accumulate_module
@@ -20,10 +20,6 @@ from batchfit.batching import split_batch
 from batchfit.errors import ConfigError
 from batchfit.train.accumulate import Accumulator, micro_batch_sizes
 from batchfit.train.trainer import Trainer
-
-IGNORE = -100
-VOCAB = 11
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,11 +67,7 @@ def test_b_simple_from_the_trainer_is_within_15_percent_of_the_closed_form() -> 
 # -- the two norms, against plain autograd -----------------------------------------------------------------
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
-
-
-def _class_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
+    return mlp()
 
 
 def _class_batch(seed: int, n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,25 +75,9 @@ def _class_batch(seed: int, n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen)
 
 
-class _TokenModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.head = nn.Linear(8, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.emb(idx)))  # (b, t, vocab)
-
-
 def _token_model() -> nn.Module:
     torch.manual_seed(0)
-    return _TokenModel().double()
-
-
-def _token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    idx, targets = batch
-    total = F.cross_entropy(model(idx).view(-1, VOCAB), targets.view(-1), ignore_index=IGNORE, reduction="sum")
-    return total, (targets != IGNORE).sum()
+    return token_model()
 
 
 def _token_batch(seed: int, n: int = 10, t: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +122,7 @@ def test_each_step_measures_the_first_micro_batch_against_the_window(form: str, 
     micro-batch's undone from its weight (and, for tokens, from the previous step's count), the window's
     taken before clipping (a tiny ``max_grad_norm`` clips every step)."""
     make, loss, batch_of = (
-        (_mlp, _class_loss, _class_batch) if form == "mean" else (_token_model, _token_loss, _token_batch)
+        (_mlp, mean_loss, _class_batch) if form == "mean" else (_token_model, token_loss, _token_batch)
     )
     model = make()
     ref = copy.deepcopy(model)
@@ -191,7 +167,7 @@ def test_under_a_fake_world_of_two_the_ranks_first_micro_batches_are_the_small_b
     monkeypatch.setattr(accumulate_module, "world_size", lambda: 2)
     monkeypatch.setattr(accumulate_module, "all_reduce_sum", fake_all_reduce)
     make, loss, batch_of = (
-        (_mlp, _class_loss, _class_batch) if form == "mean" else (_token_model, _token_loss, _token_batch)
+        (_mlp, mean_loss, _class_batch) if form == "mean" else (_token_model, token_loss, _token_batch)
     )
     model = make()
     acc = Accumulator(
@@ -221,7 +197,7 @@ def test_a_real_process_group_measures_what_one_process_does() -> None:
     expected = Trainer(
         plain,
         torch.optim.SGD(plain.parameters(), lr=0.1),
-        _token_loss,
+        token_loss,
         global_batch_size=10,
         micro_batch_size=4,
         noise_scale=GradientNoiseScale(ema_decay=0.0),
@@ -235,7 +211,7 @@ def test_a_real_process_group_measures_what_one_process_does() -> None:
         trainer = Trainer(
             ddp,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            _token_loss,
+            token_loss,
             global_batch_size=10,
             micro_batch_size=4,
             noise_scale=GradientNoiseScale(ema_decay=0.0),
@@ -252,7 +228,7 @@ def test_a_real_process_group_measures_what_one_process_does() -> None:
 def test_a_window_of_one_micro_batch_measures_nothing() -> None:
     model = _mlp()
     trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), _class_loss, global_batch_size=10, micro_batch_size=10
+        model, torch.optim.SGD(model.parameters(), lr=0.1), mean_loss, global_batch_size=10, micro_batch_size=10
     )
     result = trainer.step(_class_batch(0))
     assert result.noise_scale is None and trainer.noise_scale is not None and trainer.noise_scale.steps == 0
@@ -266,7 +242,7 @@ def test_fp16_steps_are_unscaled_and_skipped_ones_ignored() -> None:
     trainer = Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        _class_loss,
+        mean_loss,
         global_batch_size=10,
         micro_batch_size=5,
         precision="fp16",
@@ -279,7 +255,7 @@ def test_fp16_steps_are_unscaled_and_skipped_ones_ignored() -> None:
 
     def fp16_loss(m: nn.Module, b: Any) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.float16):
-            return _class_loss(m, b)
+            return mean_loss(m, b)
 
     expected = _expected(ref, fp16_loss, (x, y), first=5)
     good = trainer.step((x, y))
@@ -297,7 +273,7 @@ def test_noise_scale_off_and_bad_values() -> None:
     trainer = Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        _class_loss,
+        mean_loss,
         global_batch_size=10,
         micro_batch_size=4,
         noise_scale=False,
@@ -308,7 +284,7 @@ def test_noise_scale_off_and_bad_values() -> None:
         Trainer(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            _class_loss,
+            mean_loss,
             global_batch_size=10,
             micro_batch_size=4,
             noise_scale=0.99,
@@ -338,7 +314,7 @@ def test_measuring_adds_no_host_read(monkeypatch: pytest.MonkeyPatch, clip: floa
         trainer = Trainer(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),  # Adam's step reads its step count
-            _class_loss,
+            mean_loss,
             global_batch_size=10,
             micro_batch_size=4,
             max_grad_norm=clip,
@@ -357,7 +333,7 @@ def test_measuring_adds_no_host_read(monkeypatch: pytest.MonkeyPatch, clip: floa
 @pytest.mark.parametrize("form", ["mean", "tokens"])
 def test_the_trained_parameters_do_not_change(form: str) -> None:
     make, loss, batch_of = (
-        (_mlp, _class_loss, _class_batch) if form == "mean" else (_token_model, _token_loss, _token_batch)
+        (_mlp, mean_loss, _class_batch) if form == "mean" else (_token_model, token_loss, _token_batch)
     )
     params = {}
     for on in (False, True):
