@@ -11,7 +11,7 @@ from . import devices, presets
 from .advice.lr import scale_lr, warmup_schedule
 from .advice.noise_scale import GradientNoiseScale
 from .devices import Device, get_device
-from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, UnknownNameError
+from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, TraceError, UnknownNameError
 from .fit import FitResult, fit
 from .memory.estimate import Estimate, estimate
 from .plan import Plan, plan
@@ -37,6 +37,7 @@ __all__ = [
     "SimulatedDevice",
     "StepResult",
     "SweepResult",
+    "TraceError",
     "Trainer",
     "UnknownNameError",
     "Workload",

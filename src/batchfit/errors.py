@@ -6,6 +6,7 @@ Map of the tree (kept shallow on purpose, so callers catch one thing)::
     ├── ConfigError (+ ValueError)     bad input: a size, a name, a capacity, a batch, a loss
     │   └── UnknownNameError (+ KeyError-like message)   unknown device or preset
     ├── DoesNotFitError                even one item does not fit; names the remedy
+    ├── TraceError                     the training step failed while traced (names the module and op)
     └── CheckpointError                unreadable, partial or mismatched checkpoint
 
 Each message is one line that names the fix; the CLI prints it and exits with code 2.
@@ -48,6 +49,14 @@ class UnknownNameError(ConfigError):
 
 class DoesNotFitError(BatchfitError):
     """The workload does not fit on the device even at the smallest setting tried."""
+
+
+class TraceError(BatchfitError):
+    """The workload's training step raised while it was traced on fake tensors.
+
+    The message names the module and the op where it happened, and whether the step would fail on a
+    real device too (a bug in the step) or only cannot be traced (an op fake tensors cannot run).
+    """
 
 
 class CheckpointError(BatchfitError):

@@ -294,11 +294,9 @@ def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[s
         return ()
     if isinstance(wl.model, type(None)):
         return ()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from .memory.trace import fake_model
 
-    model = fake_model(wl, FakeTensorMode(allow_non_fake_inputs=True), None)
+    model = fake_model(wl)
     text = batchnorm_advice(model, micro, global_batch_size, gpus)
     return (text,) if text else ()
 

@@ -67,7 +67,15 @@ def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     return F.cross_entropy(model(x), y)
 
 
-def _make_optimizer(name: str, lr: float) -> Callable[..., torch.optim.Optimizer]:
+def make_optimizer(name: str, lr: float | None = None) -> Callable[..., torch.optim.Optimizer]:
+    """``params -> Optimizer`` for ``adamw``, ``adam`` or ``sgd`` (momentum 0.9) at ``lr`` (None: its default).
+
+    Raises:
+        UnknownNameError: another optimizer name.
+    """
+    if name not in _DEFAULT_LR:
+        raise UnknownNameError("optimizer", name, list(_DEFAULT_LR))
+    lr = _DEFAULT_LR[name] if lr is None else float(lr)
     if name == "adamw":
         return partial(torch.optim.AdamW, lr=lr, weight_decay=0.01)
     if name == "adam":
@@ -147,7 +155,7 @@ def _assemble(
         model=model,
         batch=partial(batch_fn, **data),
         loss=loss,
-        optimizer=_make_optimizer(cfg["optimizer"], cfg["lr"]),
+        optimizer=make_optimizer(cfg["optimizer"], cfg["lr"]),
         name=name,
         tokens_per_item=tokens,
         checkpoint_blocks=blocks,
@@ -223,6 +231,11 @@ def names() -> list[str]:
     return list(_OWN) + (list(hf.SPECS) if hf.available() else [])
 
 
+def all_names() -> list[str]:
+    """Every preset name, available here or not."""
+    return list(_OWN) + list(hf.SPECS)
+
+
 def describe() -> list[tuple[str, str]]:
     """``(name, one-line description)`` of every available preset, for listings."""
     own = [(name, desc) for name, (desc, _) in _OWN.items()]
@@ -279,6 +292,15 @@ def load(spec: str, **overrides: Any) -> Workload:
         if not hasattr(target, part):
             raise ConfigError(f"module {module_name!r} has no attribute {attr!r}; check the name after ':'")
         target = getattr(target, part)
+    return call_workload_function(target, spec, overrides)
+
+
+def call_workload_function(target: Any, spec: str, overrides: Mapping[str, Any]) -> Workload:
+    """``target(**overrides)`` checked to be a Workload (``target`` may be a Workload itself).
+
+    Raises:
+        ConfigError: not callable, arguments it does not take, it raised, or it returned something else.
+    """
     if isinstance(target, Workload):
         if overrides:
             raise ConfigError(f"{spec!r} is a Workload, not a function: it takes no overrides")
@@ -293,7 +315,12 @@ def load(spec: str, **overrides: Any) -> Workload:
         raise ConfigError(f"{spec!r} does not accept the overrides {sorted(overrides)}: {e}") from e
     except ValueError:  # no signature to check (some builtins): let the call decide
         pass
-    result = target(**overrides)
+    try:
+        result = target(**overrides)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{spec!r} raised {type(e).__name__}: {e}") from e
     if not isinstance(result, Workload):
         raise ConfigError(f"{spec!r} returned {type(result).__name__}, not a batchfit.Workload")
     return result

@@ -2,26 +2,32 @@
 
 NOTE [ Data-dependent branches seen through fake tensors ]
 Fake tensors have no values, so code that asks a question about values must either refuse or guess.
-transformers guesses conservatively: ``masking_utils.find_packed_sequence_indices`` checks whether
-the position ids describe packed sequences (``(mask[:, -1] == 0).all()``) and, when it cannot read
-them (``is_tracing`` is true for fake tensors), assumes they might be packed and materialises a
-B x 1 x T x T attention mask. A real run with ordinary position ids finds them unpacked and lets SDPA
-use ``is_causal=True`` with no mask. During a trace we answer the question the way the real run
-would for position ids transformers builds itself (contiguous, so not packed). Training on packed
-sequences with explicit position ids would materialise the mask for real; that case is estimated
-a little low.
+transformers guesses conservatively: ``is_tracing(t)`` is true for any fake tensor, and then it
+assumes an attention mask may hold padding and position ids may describe packed sequences, and
+materialises a B x 1 x T x T mask that a real run with an all-ones mask and ordinary positions never
+builds (SDPA runs with ``is_causal=True`` instead). A fake tensor whose value the trace knows
+(``memory/values.py``: small tensors such as masks and position ids are computed for real beside
+their fakes) is not "tracing" for this question: transformers reads the value and takes the branch
+the real run takes. For position ids without a known value, ``find_packed_sequence_indices`` is
+answered "not packed", as for the ids transformers builds itself; training on packed sequences with
+explicit position ids would materialise the mask for real, a case then estimated a little low.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
+
+from .values import real_of
 
 
 @contextlib.contextmanager
@@ -46,21 +52,103 @@ def counted_rng_states(register: Callable[[Any], Any]) -> Iterator[None]:
         torch.get_rng_state = original
 
 
+def _grouped_mm_meta(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten::_grouped_mm``'s output, for any float dtype (the shapes of ``_meta_registrations.py``'s
+    ``_create_grouped_mm_output_tensor``; the CPU layout, contiguous)."""
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]  # (groups, m, n)
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]  # (tokens, n)
+    elif b2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return mat_a.new_empty(size, dtype=out_dtype or mat_a.dtype)
+
+
+@contextlib.contextmanager
+def fake_kernel_fixes() -> Iterator[None]:
+    """Meta kernels stricter than the CPU kernels they stand for, relaxed for the trace.
+
+    ``aten::_grouped_mm`` (mixture-of-experts layers in transformers run their experts through it):
+    its meta kernel accepts bf16 only (the restriction of early CUDA kernels), while the CPU kernel,
+    and CUDA's on recent torch, take fp32 and fp16 too; a fp32 MoE model would fail to trace.
+    """
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        if hasattr(torch.ops.aten, "_grouped_mm"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+        yield
+    finally:
+        lib._destroy()
+
+
+_LRU_WRAPPERS: tuple[int, list[Any]] = (-1, [])
+
+
+def _lru_wrappers() -> list[Any]:
+    """Every ``functools.lru_cache`` wrapper alive, found once per set of imported modules."""
+    global _LRU_WRAPPERS
+    if _LRU_WRAPPERS[0] != len(sys.modules):
+        wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
+        _LRU_WRAPPERS = (len(sys.modules), wrappers)
+    return _LRU_WRAPPERS[1]
+
+
+@contextlib.contextmanager
+def fakes_kept_out_of_caches() -> Iterator[None]:
+    """Clear the ``lru_cache``s that stored a result during the trace.
+
+    Models cache tensors in module-level ``lru_cache``s (transformers' BEiT caches its relative
+    position index by window size). A cache filled during the trace holds *fake* tensors, which the
+    user's next real step would be handed; a cache filled by an earlier real run would hand the
+    trace a real tensor it never allocates. Caches that stored something new during the trace are
+    cleared afterwards, so both runs compute their own (the real run as it would in a fresh process).
+    """
+    before = {id(w): w.cache_info().misses for w in _lru_wrappers()}
+    try:
+        yield
+    finally:
+        for w in _lru_wrappers():
+            if w.cache_info().misses != before.get(id(w), 0):
+                w.cache_clear()
+
+
 @contextlib.contextmanager
 def library_compat() -> Iterator[None]:
     """Patch the known library branches for the duration of a trace (each with its restore)."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_kernel_fixes())
+        stack.enter_context(fakes_kept_out_of_caches())
         masking = sys.modules.get("transformers.masking_utils")
         original = getattr(masking, "find_packed_sequence_indices", None)
         if masking is not None and original is not None:
 
             def find_packed_sequence_indices(position_ids: Any) -> Any:
-                if isinstance(position_ids, FakeTensor):
+                if isinstance(position_ids, FakeTensor) and real_of(position_ids) is None:
                     return None
                 return original(position_ids)
 
             masking.find_packed_sequence_indices = find_packed_sequence_indices
             stack.callback(setattr, masking, "find_packed_sequence_indices", original)
+        utils = sys.modules.get("transformers.utils.import_utils")
+        is_fake = getattr(utils, "is_fake_tensor", None)
+        if utils is not None and is_fake is not None:
+
+            def is_fake_tensor(x: Any) -> bool:
+                return bool(is_fake(x)) and real_of(x) is None
+
+            utils.is_fake_tensor = is_fake_tensor
+            stack.callback(setattr, utils, "is_fake_tensor", is_fake)
         yield
 
 

@@ -319,7 +319,7 @@ def _as_workload(workload: Any) -> Any:
     if isinstance(workload, Workload):
         return workload
     if isinstance(workload, str):
-        from ..presets import load
+        from ..sources import load
 
         return load(workload)
     from ..errors import ConfigError

@@ -1,4 +1,4 @@
-"""CPU kernel scratch: memory a CPU kernel allocates and frees inside one op, measured per signature.
+"""CPU kernels run for real beside the trace: their scratch, and outputs laid out as the real kernel does.
 
 NOTE [ Why measure CPU scratch instead of modelling it ]
 Fake tensors see op outputs only. Real CPU kernels also allocate inside the op, through the same
@@ -7,33 +7,61 @@ per-thread buffers of the CPU flash-attention kernel and of ``native_layer_norm_
 (``2 x threads x N`` partial sums), the 8-byte tensor a Python scalar argument is wrapped in, and the
 copy TensorIterator makes of a CPU input whose dtype differs from the op's common dtype. Their sizes
 depend on the ISA oneDNN picks, on ``torch.get_num_threads()`` and on the kernel's blocking, so a
-closed form per kernel would be right on one machine only. Instead, for each distinct op signature
-(op, shapes, strides, dtypes, non-tensor arguments, thread count) the kernel is run once for real on
-zero-filled inputs under the CPU profiler, and ``peak - net`` of the allocator's running sum inside
-the op is the scratch to add after the op's outputs. This is exact for kernels whose scratch depends
-on shapes only; a kernel whose scratch depends on values (rare: sort-based kernels) is measured on
-zeros.
+closed form per kernel would be right on one machine only. Instead, the first time the trace meets an
+op signature (op, shapes, strides, dtypes, non-tensor arguments, thread count) the kernel is run once
+for real under the CPU profiler (one profiler session spans the trace), and ``peak - net`` of the
+allocator's running sum inside the op is the scratch to add after the op's outputs.
+
+NOTE [ Meta kernels that disagree with CPU kernels ]
+The same real run shows the outputs the CPU kernel really makes. A meta kernel is sometimes wrong
+about them: ``native_batch_norm`` on bf16 input returns fp32 statistics on the CPU, bf16 ones from its
+meta kernel; ``native_layer_norm_backward`` on a transposed input returns a contiguous gradient on the
+CPU and a gradient strided like the input from its meta kernel, after which a ``view`` in backward
+must copy on fake tensors but not on real ones. A fresh output whose dtype or strides differ from
+the real kernel's is replaced, before anything sees it, by a fake laid out as the real one.
+
+NOTE [ Replaying kernels safely ]
+Inputs are zeros, except where zeros would be wrong: a small tensor whose value the trace knows
+(``memory/values.py``: lengths, indices, masks) is replayed with that value, and an opaque byte
+tensor an earlier op produced (the oneDNN RNN ``workspace`` that ``mkldnn_rnn_layer_backward``
+reads as pointers and offsets) is replayed with the real bytes the producer's own replay made. An op
+whose opaque input has no real counterpart is not replayed (its scratch is counted as zero and the
+trace says so): a kernel fed a zero-filled workspace can take the process down.
 
 Limitations:
     Costs one real execution of each distinct op signature (about one layer of a model's step), so
-    it is used for ``device="cpu"`` only; CUDA kernels are modelled in ``memory/cuda.py``.
+    it is used for ``device="cpu"`` only; CUDA kernels are modelled in ``memory/cuda.py``. A kernel
+    whose scratch depends on values the trace does not know is measured on zeros.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .measure import cpu_memory_profile
 from .trace import real_execution
+from .values import adopt, real_of
 
 _SKIP_NAMESPACES = {"profiler"}
 _MARK = "batchfit_probe_"
+
+
+@dataclass(frozen=True)
+class _Out:
+    """What the real kernel made for one output."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
 
 
 def _spec(x: Any) -> Any:
@@ -44,56 +72,161 @@ def _spec(x: Any) -> Any:
     return x
 
 
-def _real(spec: Any) -> Any:
-    if isinstance(spec, tuple) and spec and spec[0] == "T":
-        _, shape, stride, dtype, offset = spec
-        need = offset + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) + 1 if all(shape) else 0
-        base = torch.zeros(max(need, 0), dtype=dtype)
-        return base.as_strided(shape, stride, offset) if need else torch.empty_strided(shape, stride, dtype=dtype)
-    if isinstance(spec, tuple) and spec == ("G",):
-        return torch.Generator().manual_seed(0)
-    return spec
+def _zeros(spec: Any) -> Any:
+    _, shape, stride, dtype, offset = spec
+    need = offset + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) + 1 if all(shape) else 0
+    base = torch.zeros(max(need, 0), dtype=dtype)
+    return base.as_strided(shape, stride, offset) if need else torch.empty_strided(shape, stride, dtype=dtype)
 
 
 class CpuScratchProbe:
-    """Collects op signatures during a trace, then measures each one in one profiler run.
-
-    Two facts come back per signature: the scratch (``peak - net`` of the allocator's running sum
-    inside the op) and the real size of each new output storage, which corrects the rare meta kernel
-    that disagrees with the CPU kernel (``native_batch_norm`` on bf16 input returns fp32 statistics on
-    the CPU, bf16 ones from its meta kernel).
-    """
+    """Runs each new op signature for real during the trace (see the NOTEs above)."""
 
     def __init__(self) -> None:
-        self._requests: dict[Any, tuple[Any, Any, Any]] = {}
-        self._scratch: list[tuple[int, Any]] = []  # (scratch sid, key)
-        self._outputs: list[tuple[list[int | None], Any]] = []  # (new output sids, key)
+        self._index: dict[Any, int] = {}  # signature -> replay number
+        self._real_outputs: dict[Any, list[_Out] | None] = {}  # signature -> outputs (None: not replayed)
+        self._opaque: dict[int, torch.Tensor] = {}  # trace storage id -> real bytes of an opaque output
+        self._scratch: list[tuple[int, Any]] = []  # (scratch sid, signature)
+        self._outputs: list[tuple[list[int | None], Any]] = []  # (new output sids, signature)
+        self._pending_opaque: dict[Any, list[torch.Tensor | None]] = {}
+        self._prof: Any = None
+        self._prof_cm: Any = None
         self.scratch_bytes: dict[Any, int] = {}
         self.output_bytes: dict[Any, list[int]] = {}
         self.failed: dict[Any, str] = {}
+        """Signatures not measured, and why."""
 
-    def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
-        """The tracer's hook: a pending transient scratch (and output check) per non-view op."""
-        if getattr(func, "namespace", "aten") in _SKIP_NAMESPACES or getattr(func, "is_view", False):
-            return
+    # -- lifecycle: one profiler session spans the trace ------------------------------------------
+    def start(self) -> None:
+        self._prof_cm = cpu_memory_profile()
+        with real_execution():
+            self._prof = self._prof_cm.__enter__()
+
+    def stop(self) -> None:
+        if self._prof_cm is not None:
+            with real_execution():
+                self._prof_cm.__exit__(None, None, None)
+            self._prof_cm = None
+
+    # -- during the trace ---------------------------------------------------------------------------
+    def _key(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Any], Any]:
         flat, treespec = tree_flatten((args, kwargs))
         # Factory ops without a dtype argument (randn, empty) take the default dtype, which bf16-true
         # training changes; it is part of the signature and restored when the op is replayed.
         specs = [_spec(x) for x in flat] + [("default_dtype", torch.get_default_dtype())]
         try:
-            key = (str(func), tuple(specs), torch.get_num_threads())
+            key = (str(func), tuple(specs), torch.get_num_threads(), torch.is_grad_enabled())
             hash(key)
         except TypeError:  # an unhashable argument: describe it by its repr
-            key = (str(func), repr(specs), torch.get_num_threads())
-        if key not in self._requests and key not in self.scratch_bytes:
-            self._requests[key] = (func, specs, treespec)
+            key = (str(func), repr(specs), torch.get_num_threads(), torch.is_grad_enabled())
+        return key, flat, treespec
+
+    def fix_outputs(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Replay a new signature now; lay fresh fake outputs out as the real kernel did."""
+        if getattr(func, "namespace", "aten") in _SKIP_NAMESPACES or getattr(func, "is_view", False):
+            return out
+        key, flat, treespec = self._key(func, args, kwargs)
+        if key not in self._real_outputs:
+            self._replay(tracer, key, func, flat, treespec)
+        real = self._real_outputs.get(key)
+        if real is None:
+            return out
+        fakes = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if len(fakes) != len(real):
+            return out
+        inputs = {id(a.untyped_storage()) for a in flat if isinstance(a, torch.Tensor)}
+        swap: dict[int, torch.Tensor] = {}
+        for fake, r in zip(fakes, real):
+            if id(fake.untyped_storage()) in inputs:
+                continue
+            relaid = tuple(fake.shape) == r.shape and (tuple(fake.stride()) != r.stride or fake.dtype != r.dtype)
+            # A buffer whose size only the kernel knows (an RNN workspace) comes out of its meta kernel empty.
+            sized = fake.numel() == 0 and math.prod(r.shape) > 0 and fake.dtype == r.dtype
+            if relaid or sized:
+                new = torch.empty_strided(r.shape, r.stride, dtype=r.dtype)
+                value = real_of(fake)
+                if value is not None and value.dtype == r.dtype:
+                    adopt(new, value)
+                swap[id(fake)] = new
+        if not swap:
+            return out
+        return tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+
+    def _real_input(self, tracer: Any, x: Any) -> tuple[bool, Any]:
+        """``(ok, value)``: the real value to replay ``x`` with (``ok`` False: no safe value exists)."""
+        if not isinstance(x, torch.Tensor):
+            return True, torch.Generator().manual_seed(0) if isinstance(x, torch.Generator) else x
+        sid = tracer.storage_id(x)
+        if sid is not None and sid in self._opaque:
+            kept = self._opaque[sid]
+            with real_execution():
+                return True, torch.empty(0, dtype=x.dtype).set_(
+                    kept.untyped_storage(), x.storage_offset(), x.shape, x.stride()
+                )
+        if x.dtype == torch.uint8 and sid is not None and tracer.trace.op.get(sid, "").startswith("aten."):
+            return False, None  # an opaque buffer an op made (a workspace): zeros could crash the kernel
+        value = real_of(x)
+        if value is not None:
+            with real_execution():
+                return True, value.clone()
+        with real_execution():
+            return True, _zeros(_spec(x))
+
+    def _replay(self, tracer: Any, key: Any, func: Any, flat: list, treespec: Any) -> None:
+        inputs = []
+        for x in flat:
+            ok, value = self._real_input(tracer, x)
+            if not ok:
+                self._real_outputs[key] = None
+                self.failed[key] = "an opaque input (a kernel's workspace) has no real value to replay with"
+                return
+            inputs.append(value)
+        index = self._index.setdefault(key, len(self._index))
+        saved_dtype = torch.get_default_dtype()
+        out = None
+        # Under the trace's grad mode: some kernels keep what backward needs only when it is on (the
+        # oneDNN RNN's workspace); the inputs never require grad, so no graph is recorded.
+        with real_execution():
+            torch.set_default_dtype(key[1][-1][1] if isinstance(key[1], tuple) else saved_dtype)
+            args, kwargs = tree_unflatten(inputs, treespec)
+            try:
+                with record_function(f"{_MARK}{index}"):
+                    out = func(*args, **kwargs)
+            except Exception as exc:  # a kernel that refuses synthetic inputs: count no scratch
+                self.failed[key] = f"{type(exc).__name__}: {exc}"[:200]
+            finally:
+                torch.set_default_dtype(saved_dtype)
+        if key in self.failed:
+            self._real_outputs[key] = None
+            return
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self._real_outputs[key] = [
+            _Out(tuple(t.shape), tuple(t.stride()), t.dtype, t.untyped_storage().nbytes()) for t in outs
+        ]
+        self.output_bytes[key] = [o.nbytes for o in self._real_outputs[key]]
+        self._pending_opaque[key] = [t if t.dtype == torch.uint8 else None for t in outs]
+
+    def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
+        """The tracer's hook: a pending transient scratch (and output check) per non-view op."""
+        if getattr(func, "namespace", "aten") in _SKIP_NAMESPACES or getattr(func, "is_view", False):
+            return
+        key, _, _ = self._key(func, args, kwargs)
         self._scratch.append((tracer.add_scratch(0, f"cpu scratch of {func}", transient=True), key))
         if any(sid is not None for sid in out_sids):
             self._outputs.append((out_sids, key))
+        opaque = self._pending_opaque.get(key)
+        if opaque and len(opaque) == len(out_sids):
+            for sid, real in zip(out_sids, opaque):
+                if sid is not None and real is not None:
+                    self._opaque[sid] = real
 
+    # -- after the trace ------------------------------------------------------------------------------
     def finish(self, trace: Any) -> None:
-        """Measure the pending signatures and write scratch and real output sizes into ``trace``."""
-        self.measure()
+        """Write the measured scratch and the real output sizes into ``trace``."""
+        self.stop()
+        if self._prof is not None:
+            marks = [(key, f"{_MARK}{i}") for key, i in self._index.items() if key not in self.failed]
+            self.scratch_bytes.update(_scratch_by_label(self._prof, marks))
         for sid, key in self._scratch:
             trace.nbytes[sid] = self.scratch_bytes.get(key, 0)
         for sids, key in self._outputs:
@@ -103,41 +236,14 @@ class CpuScratchProbe:
             for sid, nbytes in zip(sids, real):
                 if sid is not None and nbytes > 0:
                     trace.nbytes[sid] = nbytes
+        skipped = sorted({key[0] for key, why in self.failed.items() if why.startswith("an opaque")})
+        for op in skipped:
+            trace.notes.append(f"{op}: CPU scratch not measured (its workspace input cannot be replayed safely)")
         self._scratch.clear()
         self._outputs.clear()
-
-    def measure(self) -> None:
-        """Run every pending signature once for real, inside one profiler session."""
-        todo = list(self._requests.items())
-        self._requests.clear()
-        if not todo:
-            return
-        marks: list[tuple[Any, str]] = []
-        with real_execution(), torch.no_grad():
-            with cpu_memory_profile() as prof:
-                for i, (key, (func, specs, treespec)) in enumerate(todo):
-                    *arg_specs, (_, dtype) = specs
-                    args, kwargs = tree_unflatten([_real(s) for s in arg_specs], treespec)
-                    saved_dtype = torch.get_default_dtype()
-                    torch.set_default_dtype(dtype)
-                    label = f"{_MARK}{i}"
-                    out = None
-                    try:
-                        with record_function(label):
-                            out = func(*args, **kwargs)
-                    except Exception as exc:  # a kernel that refuses zeros: count no scratch
-                        self.failed[key] = f"{type(exc).__name__}: {exc}"[:200]
-                    finally:
-                        torch.set_default_dtype(saved_dtype)
-                    if key not in self.failed:
-                        self.output_bytes[key] = [
-                            t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
-                        ]
-                    marks.append((key, label))
-                    del out, args, kwargs
-        self.scratch_bytes.update(_scratch_by_label(prof, marks))
-        for key, _ in todo:
-            self.scratch_bytes.setdefault(key, 0)
+        self._opaque.clear()
+        self._pending_opaque.clear()
+        self._prof = None
 
 
 def _scratch_by_label(prof: Any, marks: Iterable[tuple[Any, str]]) -> dict[Any, int]:

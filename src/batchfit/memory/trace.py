@@ -15,19 +15,18 @@ Limitations:
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from ..workload import Workload, trainable_parameters
 from .categories import Category
+from .steps import default_dtype
 from .tracker import RoleBook, StorageTracker
 
 OUTSIDE = "(outside modules)"
@@ -49,6 +48,8 @@ class MemoryTrace:
     """``(event_index, phase, step)``: the phase that starts at that event."""
     op: dict[int, str] = field(default_factory=dict)
     """The op that allocated each storage (``"param"``, ``"batch"``, an aten op, or a scratch label)."""
+    notes: list[str] = field(default_factory=list)
+    """What the trace had to assume (value reads it could not know, compiled modules run eagerly)."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
         """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
@@ -98,12 +99,25 @@ class Tracer:
         self._next_scratch = -1
         self._stack = contextlib.ExitStack()
         self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
+        self._tracker.on_error = self._on_error
+        if kernels is not None and hasattr(kernels, "fix_outputs"):
+            self._tracker.fix_outputs = lambda func, args, kwargs, out: kernels.fix_outputs(self, func, args, kwargs, out)
+        self.failed_at: tuple[str, str] | None = None
+        """``(module, op)`` of the first op that raised."""
         self._module_stack: list[str] = []
         self._module_names: dict[int, str] = {}
         self._backward_module = OUTSIDE
         self._param_module: dict[int, str] = {}
 
     # -- hooks ----------------------------------------------------------------------------------
+    def _on_error(self, func: Any) -> None:
+        if self.failed_at is None:
+            self.failed_at = (self._current_module(), str(func))
+
+    def current_module(self) -> str:
+        """The module running now (forward or backward), for notes and errors."""
+        return self._current_module()
+
     def _current_module(self) -> str:
         if torch._C._current_autograd_node() is not None:
             return self._backward_module
@@ -196,6 +210,10 @@ class Tracer:
         sid = self._tracker.register(t)
         self._roles.mark(sid, Category.ACTIVATIONS)
 
+    def storage_id(self, t: torch.Tensor) -> int | None:
+        """The trace's id of ``t``'s storage (None: not tracked)."""
+        return self._tracker.storage_id(t)
+
     def _grad_hook(self, p: torch.Tensor) -> None:
         if p.grad is not None:
             sid = self._tracker.register(p.grad)
@@ -224,6 +242,9 @@ class Tracer:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         stack = self._stack
+        if self._kernels is not None and hasattr(self._kernels, "start"):
+            stack.callback(self._kernels.stop)
+            self._kernels.start()
         stack.enter_context(self._tracker)
         self.mark("setup", 0)
         mod_names = {}
@@ -258,27 +279,14 @@ class Tracer:
 
 
 # -- building on fake tensors ------------------------------------------------------------------
-def fake_model(workload: Workload, fake_mode: FakeTensorMode, param_dtype: torch.dtype | None) -> nn.Module:
-    """The workload's model with fake parameters.
+def fake_model(workload: Workload, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The workload's model on fake tensors (for advice that only needs its structure)."""
+    from .construct import build_fake_model, fake_session
 
-    A factory is called under the fake mode (its parameters are born fake). A module instance is
-    copied with every parameter and buffer replaced by a fake of the same shape (``param_dtype`` for
-    floating ones when given), through ``deepcopy``'s memo so tied weights stay tied and no real
-    bytes are copied.
-    """
-    if not isinstance(workload.model, nn.Module):
-        with fake_mode:
-            return workload.build_model()
-    real = workload.model
-    memo: dict[int, Any] = {}
-    with fake_mode:
-        for p in real.parameters():
-            dtype = param_dtype if (param_dtype is not None and p.is_floating_point()) else p.dtype
-            fake = torch.empty_strided(p.shape, p.stride(), dtype=dtype)
-            memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
-        for b in real.buffers():
-            memo[id(b)] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype)
-    return copy.deepcopy(real, memo)
+    with fake_session():
+        with default_dtype(param_dtype):
+            model, _ = build_fake_model(workload, param_dtype)
+    return model
 
 
 @contextlib.contextmanager
@@ -316,20 +324,60 @@ def trace_workload(
             scratch than the multi-tensor kernels a GPU runs.
     """
     from ..checkpointing import apply_checkpointing
-    from .compat import counted_rng_states, counted_saved_numbers, library_compat
-    from .steps import default_dtype, prefer_foreach, run_workload_steps
+    from .construct import build_fake_model, fake_session, materialize_lazy
+    from .steps import prefer_foreach
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with default_dtype(param_dtype):
-        model = fake_model(workload, fake_mode, param_dtype)
-    apply_checkpointing(model, checkpoint_classes)
-    model.train()
-    with fake_mode:
-        optimizer = workload.optimizer(trainable_parameters(model))
-    if foreach_optimizer:
-        prefer_foreach(optimizer)
+    with fake_session() as values:
+        with default_dtype(param_dtype):
+            model, notes = build_fake_model(workload, param_dtype)
+            apply_checkpointing(model, checkpoint_classes)
+            model.train()
+            if materialize_lazy(model, workload):
+                notes.append("lazy modules were initialised by one forward pass on a batch of one item")
+        optimizer = _make_optimizer(workload, model)
+        if foreach_optimizer:
+            prefer_foreach(optimizer)
+        return _trace_steps(
+            workload, model, optimizer, batch_size, values, notes,
+            param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,
+            host_memory_counts=host_memory_counts, steps=steps,
+        )  # fmt: skip
+
+
+def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
+    from ..errors import BatchfitError, ConfigError
+
+    params = trainable_parameters(model)
+    if not params:
+        raise ConfigError("the model has no trainable parameter (every requires_grad is False); nothing to train")
+    try:
+        return workload.optimizer(params)
+    except BatchfitError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"the workload's optimizer factory raised {type(e).__name__}: {e}") from e
+
+
+def _trace_steps(
+    workload: Workload,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    values: Any,
+    notes: list[str],
+    *,
+    param_dtype: torch.dtype | None,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None,
+    kernels: Any,
+    emulation: Callable[[], contextlib.AbstractContextManager] | None,
+    host_memory_counts: bool,
+    steps: int,
+) -> MemoryTrace:
+    from .compat import counted_rng_states, counted_saved_numbers
+    from .steps import run_workload_steps
 
     tracer = Tracer(model, optimizer, kernels)
+    values.where = tracer.current_module
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
     # Checkpointing's saved RNG states are CPU tensors: device memory when the device is the CPU, host
     # memory (not counted) when it is a GPU.
@@ -339,17 +387,54 @@ def trace_workload(
     if host_memory_counts:
         rng = counted_rng_states(tracer.register_kept)
         numbers = counted_saved_numbers(tracer.register_kept, tracer.saved_pack)
-    with library_compat(), fake_mode, emulate, tracer, rng, numbers:
-        run_workload_steps(
-            workload,
-            model,
-            optimizer,
-            batch_size,
-            param_dtype=param_dtype,
-            autocast=autocast,
-            mark=tracer.mark,
-            steps=steps,
-        )
+    try:
+        with emulate, tracer, rng, numbers:
+            run_workload_steps(
+                workload,
+                model,
+                optimizer,
+                batch_size,
+                param_dtype=param_dtype,
+                autocast=autocast,
+                mark=tracer.mark,
+                steps=steps,
+            )
+    except Exception as e:
+        raise step_failure(e, tracer) from e
     if kernels is not None:
         kernels.finish(tracer.trace)
-    return tracer.trace
+    trace = tracer.trace
+    trace.notes = [*notes, *(str(n) + (f" ({k} times)" if k > 1 else "") for n, k in values.notes.items())]
+    return trace
+
+
+def step_failure(e: Exception, tracer: Tracer) -> Exception:
+    """One clear error for an exception raised inside a traced step (batchfit's own pass through)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+        UnsupportedOperatorException,
+    )
+
+    from ..errors import BatchfitError, TraceError
+
+    if isinstance(e, BatchfitError):
+        return e
+    where, op = tracer.failed_at or (tracer.current_module(), "")
+    at = f" at {op}" if op else ""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+        return TraceError(
+            f"the step's output sizes depend on its data in {where}{at}, which batchfit cannot assume; "
+            "estimate with a batch whose shapes do not depend on values, or report this model"
+        )
+    if isinstance(e, (UnsupportedFakeTensorException, UnsupportedOperatorException)):
+        return TraceError(
+            f"{where}{at} uses an op fake tensors cannot run ({text}); "
+            "estimate this model with device='cpu' measurements (batchfit sweep) instead"
+        )
+    return TraceError(
+        f"the training step failed in {where}{at}: {type(e).__name__}: {text} "
+        "(the same step would fail on a real device: check the model, batch and loss)"
+    )

@@ -25,6 +25,92 @@ from torch.utils._pytree import tree_flatten
 from .categories import Category, stronger
 
 _PRIM_DEVICE = torch.ops.prim.device.default
+_ADD = torch.ops.aten.add.Tensor
+
+
+# NOTE [ Gradient accumulation inside the autograd engine ]
+# When two gradients meet at one tensor (a residual connection, a tensor used twice), the autograd
+# engine adds them (``torch/csrc/autograd/input_buffer.cpp``, ``accumulate``): in place,
+# ``old.add_(new)``, when it holds the last reference to a dense ``old``, but out of place,
+# ``old + new``, whenever ``can_accumulate_inplace`` sees a tensor subclass, which is what every fake
+# tensor is, and every tensor while a dispatch mode is active (``isTensorSubclassLike``). A tracked
+# step would so allocate one more gradient-sized buffer per accumulation than the real step does.
+# The tracker recognises the engine's ``add`` (dispatched while a node runs, grad mode off, ``old``
+# born in an earlier node and ``new`` in this one, the reference counts of a tensor held only by the
+# engine's buffer) and runs it in place, as the engine would have. The reference counts seen at
+# dispatch depend on how torch hands tensors to Python; they are measured once per process on a
+# graph whose accumulation is known to be in place (``_accumulation_counts``).
+_COUNTS: list[tuple[int, int] | None] = []
+
+# NOTE [ Composite kernels that go out of place for subclasses ]
+# The same reason makes ATen's composite backward formulas allocate more under a dispatch mode: they
+# fill a fresh zeros tensor in place (``result.scatter_add_(...)`` in ``gather_backward``,
+# ``_index_put_impl_`` in ``index_backward``) unless ``areAnyTensorSubclassLike`` is true, when they
+# call the out-of-place op instead (``TensorSubclassLikeUtils.h``; ``FunctionsManual.cpp``). An
+# out-of-place op of this family whose ``self`` is a zeros-made tensor referenced only by its
+# caller is run in place, as the real kernel runs it.
+_FILL_OPS = ("scatter_add", "scatter", "index_put", "index_add", "index_copy", "index_fill", "masked_scatter",
+             "masked_fill", "put")  # fmt: skip
+_ZERO_FACTORIES = frozenset(
+    op.default
+    for op in (torch.ops.aten.zeros, torch.ops.aten.new_zeros, torch.ops.aten.zeros_like,
+               torch.ops.aten.new_empty, torch.ops.aten.empty_like, torch.ops.aten.new_full)  # fmt: skip
+)
+
+
+def _in_place_twins() -> dict[Any, Any]:
+    twins = {}
+    for name in _FILL_OPS:
+        packet, inplace = getattr(torch.ops.aten, name, None), getattr(torch.ops.aten, name + "_", None)
+        if packet is None or inplace is None:
+            continue
+        for overload in packet.overloads():
+            twin = getattr(inplace, overload, None)
+            if twin is not None:
+                twins[getattr(packet, overload)] = twin
+    return twins
+
+
+_TWINS = _in_place_twins()
+
+
+def _accumulation_counts() -> tuple[int, int] | None:
+    """``(tensor use count, storage use count)`` of an in-place-eligible ``old`` as a mode sees it."""
+    if _COUNTS:
+        return _COUNTS[0]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    seen: list[tuple[int, int]] = []
+
+    class _Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func is _ADD and torch._C._current_autograd_node() is not None:
+                seen.append(_use_counts(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    with _disable_current_modes(), FakeTensorMode():
+        x = torch.empty(8, requires_grad=True)
+        y = x * 2.0
+        loss = (y.sin() * y.cos()).sum()  # y's two gradients meet: the real engine adds in place
+        with _Probe():
+            loss.backward()
+    _COUNTS.append(seen[0] if len(seen) == 1 else None)
+    return _COUNTS[0]
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly once in some dimension order (c10's rule)."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _use_counts(t: torch.Tensor) -> tuple[int, int]:
+    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 AllocHook = Callable[[int, int], None]
 """``(storage_id, nbytes)``: may raise ``torch.OutOfMemoryError`` to refuse the allocation."""
@@ -61,6 +147,14 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes: dict[int, int] = {}
         self.current_func: Any = None
         """The op whose outputs are being registered (None outside ops)."""
+        self.on_error: Callable[[Any], None] | None = None
+        """Called with the op when an op raises (before the exception unwinds the module stack)."""
+        self.fix_outputs: Callable[[Any, tuple, dict, Any], Any] | None = None
+        """``(func, args, kwargs, out) -> out``: may replace an op's fresh outputs before they are
+        registered (a kernel model whose real kernel lays them out differently from the meta kernel)."""
+        self._born_in: dict[int, int] = {}  # storage id -> id of the autograd node that made it
+        self._zeros: set[int] = set()  # storage ids made by a zeros-like factory
+        self._accumulation = _accumulation_counts()
 
     # -- registration -------------------------------------------------------------------------
     def storage_id(self, t: torch.Tensor) -> int | None:
@@ -81,6 +175,9 @@ class StorageTracker(TorchDispatchMode):
         self._next_id += 1
         self._ids[key] = sid
         self.live_bytes[sid] = nbytes
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            self._born_in[sid] = id(node)
         weakref.finalize(st, self._freed, key, sid)
         self._on_alloc(sid, nbytes)
         return sid
@@ -88,20 +185,67 @@ class StorageTracker(TorchDispatchMode):
     def _freed(self, key: int, sid: int) -> None:
         if self._ids.get(key) == sid:
             del self._ids[key]
+        self._born_in.pop(sid, None)
+        self._zeros.discard(sid)
         if self.live_bytes.pop(sid, None) is not None:
             self._on_free(sid)
+
+    def _composite_fill(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The in-place twin of ``func`` if a composite kernel would have filled ``self`` in place."""
+        if self._accumulation is None or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        sid = self.storage_id(args[0])
+        if sid is None or sid not in self._zeros or _use_counts(args[0]) != self._accumulation:
+            return None
+        return _TWINS[func](*args, **kwargs)
+
+    def _engine_accumulation(self, args: tuple) -> torch.Tensor | None:
+        """``old.add_(new)`` if this ``add`` is the engine accumulating in place (see the NOTE)."""
+        node = torch._C._current_autograd_node()
+        if node is None or torch.is_grad_enabled() or self._accumulation is None or len(args) != 2:
+            return None
+        old, new = args
+        if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
+            return None
+        if old.shape != new.shape or old.dtype != new.dtype or _use_counts(old) != self._accumulation:
+            return None
+        old_sid, new_sid = self.storage_id(old), self.storage_id(new)
+        if old_sid is None or new_sid is None or self._born_in.get(new_sid) != id(node):
+            return None
+        if self._born_in.get(old_sid) in (None, id(node)) or not is_non_overlapping_and_dense(old):
+            return None
+        return old.add_(new)
 
     # -- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if func is _PRIM_DEVICE:  # a metadata query (about two thirds of all dispatches): no storage
-            return out
+            return func(*args, **kwargs)
+        if func is _ADD and not kwargs:
+            accumulated = self._engine_accumulation(args)
+            if accumulated is not None:
+                return accumulated
+        elif func in _TWINS:
+            filled = self._composite_fill(func, args, kwargs)
+            if filled is not None:
+                return filled
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.on_error is not None:
+                self.on_error(func)
+            raise
+        if self.fix_outputs is not None:
+            out = self.fix_outputs(func, args, kwargs, out)
         first_new = self._next_id
         self.current_func = func
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outputs:
             self.register(t)
+        if func in _ZERO_FACTORIES and len(outputs) == 1:
+            sid = self.storage_id(outputs[0])
+            if sid is not None and sid >= first_new:
+                self._zeros.add(sid)
         if self._after_op is not None:
             self._after_op(func, args, kwargs, outputs, first_new)
         self.current_func = None

@@ -1,0 +1,283 @@
+"""Building a workload's model on fake tensors, whatever its constructor does.
+
+NOTE [ Constructors that fake tensors refuse ]
+A model is built under ``FakeTensorMode`` so that a 7B model costs nothing. Real constructors do
+things fake parameters do not allow by default, and each is made to work here, only while building:
+
+- ``module.to(dtype)`` / ``.to(device)`` / ``.cuda()``: ``nn.Module._apply`` always *swaps* a fake
+  parameter in place (``torch.utils.swap_tensors``), which fails because the fake mode holds a weak
+  reference to it ("_apply(): Couldn't swap Linear.weight"). Parameter-efficient fine-tuning libraries
+  do exactly this (peft moves every adapter to its base layer's device and dtype). While building,
+  fake parameters and buffers are instead *replaced* by their converted copies (attributes kept, and
+  a parameter shared by several modules replaced by one shared copy, so ties survive). Device moves
+  are dropped: the trace runs on fake CPU tensors and models the target device separately.
+- ``torch.compile``: a compiled module (or one compiled in place with ``module.compile()``) is
+  traced as its eager module and the estimate says so; compiled regions are run eagerly.
+- Lazy modules (``nn.LazyLinear``): their parameters exist only after a first forward, so one is
+  run on a batch of one item before the optimizer is made, as a user's own loop must.
+- Value reads while building (stochastic-depth rates from ``linspace(...).tolist()``): answered by
+  ``memory/values.ValueMode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..errors import BatchfitError, ConfigError
+from .values import DEFAULT_LIMIT, adopt, forget
+
+_ORIGINAL_APPLY = nn.Module._apply
+_ORIGINAL_TO = nn.Module.to
+
+
+class _Swaps:
+    """Converted copies of fake tensors made during one construction: old id -> (old, new)."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def convert(self, t: torch.Tensor, fn: Any, parameter: bool) -> torch.Tensor:
+        with torch.no_grad():
+            applied = fn(t)
+        if applied is t:
+            return t
+        seen = self.done.get(id(t))
+        if seen is not None:
+            new = seen[1]
+            if new.dtype == applied.dtype and new.shape == applied.shape:
+                return new
+        if parameter:
+            new = nn.Parameter(applied, requires_grad=t.requires_grad)
+            new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in new.__dict__})
+        else:
+            new = applied
+        self.done[id(t)] = (t, new)
+        return new
+
+
+_active: list[_Swaps] = []
+
+
+def _fake_safe_apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+    fake_params = {k: p for k, p in self._parameters.items() if isinstance(p, FakeTensor)}
+    fake_buffers = {k: b for k, b in self._buffers.items() if isinstance(b, FakeTensor)}
+    if not _active or not (fake_params or fake_buffers):
+        return _ORIGINAL_APPLY(self, fn, recurse)
+    if recurse:
+        for child in self.children():
+            child._apply(fn)
+    swaps = _active[-1]
+    # Real tensors (rare in a fake build) take torch's own path; fakes are replaced, not swapped.
+    for k in fake_params:
+        self._parameters[k] = None
+    for k in fake_buffers:
+        self._buffers[k] = None
+    _ORIGINAL_APPLY(self, fn, recurse=False)
+    for k, p in fake_params.items():
+        self._parameters[k] = swaps.convert(p, fn, parameter=True)  # type: ignore[assignment]
+    for k, b in fake_buffers.items():
+        self._buffers[k] = swaps.convert(b, fn, parameter=False)
+    return self
+
+
+def _to_without_device(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if dtype is None and memory_format is None:
+        return self
+    return _ORIGINAL_TO(self, dtype=dtype) if memory_format is None else _ORIGINAL_TO(
+        self, dtype=dtype, memory_format=memory_format
+    )
+
+
+def _same_module(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    return self
+
+
+@contextlib.contextmanager
+def fake_construction() -> Iterator[None]:
+    """While active, constructors that move or cast fake parameters work (see the NOTE above)."""
+    saved = {name: getattr(nn.Module, name) for name in ("_apply", "to", "cuda", "xpu", "mps", "npu")
+             if hasattr(nn.Module, name)}  # fmt: skip
+    _active.append(_Swaps())
+    nn.Module._apply = _fake_safe_apply  # type: ignore[method-assign]
+    nn.Module.to = _to_without_device  # type: ignore[method-assign]
+    for name in ("cuda", "xpu", "mps", "npu"):
+        if name in saved:
+            setattr(nn.Module, name, _same_module)
+    try:
+        yield
+    finally:
+        _active.pop()
+        for name, fn in saved.items():
+            setattr(nn.Module, name, fn)
+
+
+@contextlib.contextmanager
+def eager_compiled_regions() -> Iterator[None]:
+    """Run ``torch.compile``d functions eagerly (the trace is of eager mode; fake tensors cannot compile)."""
+    try:
+        import torch._dynamo.config as dynamo_config
+    except ImportError:  # pragma: no cover - every supported torch has dynamo
+        yield
+        return
+    saved = dynamo_config.disable
+    dynamo_config.disable = True
+    try:
+        yield
+    finally:
+        dynamo_config.disable = saved
+
+
+@contextlib.contextmanager
+def fake_session() -> Iterator[Any]:
+    """Fake tensors with value shadows, library compatibility and eager compiled regions; yields the
+    ``ValueMode`` (whose notes say what the trace had to assume)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .compat import library_compat
+    from .values import ValueMode
+
+    values = ValueMode()
+    with library_compat(), eager_compiled_regions(), FakeTensorMode(allow_non_fake_inputs=True), values:
+        yield values
+
+
+def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """``model`` with every ``torch.compile`` wrapper removed, and whether there was one."""
+    found = False
+    orig = getattr(model, "_orig_mod", None)
+    while isinstance(orig, nn.Module) and type(model).__name__ == "OptimizedModule":
+        model, orig, found = orig, getattr(orig, "_orig_mod", None), True
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            inner = getattr(child, "_orig_mod", None)
+            if type(child).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+                setattr(parent, name, inner)
+                found = True
+        if getattr(parent, "_compiled_call_impl", None) is not None:
+            parent._compiled_call_impl = None
+            found = True
+    return model, found
+
+
+def _fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fake of ``t``'s layout; small CPU tensors keep their real value as the fake's shadow."""
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=dtype)
+    if t.device.type == "cpu" and t.dtype == dtype and t.numel() <= DEFAULT_LIMIT and not t.is_meta:
+        adopt(fake, t.detach())
+    else:
+        forget(fake)
+    return fake
+
+
+def _fake_copy(real: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
+    """A copy of ``real`` with fake parameters and buffers, through ``deepcopy``'s memo (ties kept)."""
+    memo: dict[int, Any] = {}
+    for p in real.parameters():
+        dtype = param_dtype if (param_dtype is not None and p.is_floating_point()) else p.dtype
+        memo[id(p)] = nn.Parameter(_fake_like(p, dtype), requires_grad=p.requires_grad)
+    for b in real.buffers():
+        memo[id(b)] = _fake_like(b, b.dtype)
+    return copy.deepcopy(real, memo)
+
+
+def build_fake_model(workload: Any, param_dtype: torch.dtype | None) -> tuple[nn.Module, list[str]]:
+    """The workload's model with fake parameters, and notes on what was done to trace it.
+
+    Called with the fake mode (and ``ValueMode``) active.
+
+    A factory is called under the fake mode (its parameters are born fake). A module instance is
+    copied with every parameter and buffer replaced by a fake of the same shape (``param_dtype`` for
+    floating ones when given), so no real bytes are copied.
+
+    Raises:
+        ConfigError: the factory raised, or returned something that is not a module.
+    """
+    notes: list[str] = []
+    given = workload.model
+    if isinstance(given, nn.Module):
+        given, compiled = uncompiled(given)
+        try:
+            model = _fake_copy(given, param_dtype)
+        except Exception as e:
+            raise ConfigError(
+                f"could not copy the workload's model onto fake tensors ({type(e).__name__}: {e}); "
+                "pass a factory (model=lambda: MyNet(...)) instead of an instance"
+            ) from e
+    else:
+        try:
+            with fake_construction():
+                model = workload.build_model()
+        except BatchfitError:
+            raise
+        except Exception as e:
+            raise ConfigError(
+                f"the workload's model factory raised {type(e).__name__}: {_first_line(e)}; "
+                "it runs on fake tensors here, so it must build the model without reading weights from disk"
+            ) from e
+        model, compiled = uncompiled(model)
+    own_fakes(model)
+    if compiled:
+        notes.append("the model is torch.compile'd: estimated as eager mode (compiled kernels may fuse away "
+                     "some activations; the eager estimate is an upper bound for them)")
+    return model, notes
+
+
+def own_fakes(model: nn.Module) -> int:
+    """Re-create parameters and buffers that belong to another fake mode in the active one; how many.
+
+    ``copy.deepcopy`` of a fake module (``nn.TransformerEncoder`` clones its layer that way) makes
+    fakes of a *new* fake mode. The active mode treats them as foreign and converts them again at
+    every use, so a view of such a weight gets a storage of its own and the trace would count the
+    weight once more for every use. Shared tensors stay shared; attributes are kept.
+    """
+    mode = torch.empty(0).fake_mode if isinstance(torch.empty(0), FakeTensor) else None
+    if mode is None:
+        return 0
+    made: dict[int, torch.Tensor] = {}
+
+    def own(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if not isinstance(t, FakeTensor) or t.fake_mode is mode:
+            return t
+        new = made.get(id(t))
+        if new is None:
+            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+            if parameter:
+                new = nn.Parameter(fresh, requires_grad=t.requires_grad)
+                new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in new.__dict__})
+            else:
+                new = fresh
+            made[id(t)] = new
+        return new
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = own(p, True)  # type: ignore[assignment]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = own(b, False)
+    return len(made)
+
+
+def materialize_lazy(model: nn.Module, workload: Any) -> bool:
+    """Run one no-grad forward on a batch of one item if the model has lazy (uninitialised) parameters."""
+    from torch.nn.parameter import is_lazy
+
+    if not any(is_lazy(p) for p in model.parameters()):
+        return False
+    with torch.no_grad():
+        workload.loss(model, workload.batch(1))
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__

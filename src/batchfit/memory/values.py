@@ -1,0 +1,282 @@
+"""Values on fake tensors: the small tensors a step reads, computed for real beside their fakes.
+
+NOTE [ Reading values during a fake trace ]
+Fake tensors have shapes, not values, yet real models read values while they are built and trained:
+``[x.item() for x in torch.linspace(0, rate, depth)]`` for stochastic-depth rates (ConvNeXt, Swin),
+``if not mask.any(): break`` in ``trunc_normal_``'s rejection loop, ``lengths.tolist()`` for packed
+sequences, ``x[mask]`` and ``nonzero()`` whose output shape depends on the data, ``int(n_tokens)`` for a
+loss's normaliser. ``FakeTensorMode`` raises on all of these.
+
+``ValueMode`` sits just above the fake mode and keeps a *real shadow* of every fake storage whose value
+can be known cheaply: an op whose tensor inputs all have shadows (or are real) and whose outputs are
+small (``limit`` elements) and do not require grad is run a second time on the real shadows, and the
+results become the shadows of its outputs (views share their base's shadow, in-place ops update it).
+Factory ops (``arange``, ``linspace``, ``randint``, ``tensor(...)``) start the chains. Parameters and
+activations are never shadowed (they require grad, or are too large): their values are neither
+needed nor affordable. A mutation that cannot be computed drops the shadows it writes to, so a shadow
+is never stale.
+
+A read of a value that has no shadow continues along one branch, and says so in a note naming the
+module: a boolean reads False (``while mask.any()`` loops end, ``if torch.isnan(x).any()`` guards pass),
+a number reads 1, and an op whose output size depends on unknown data assumes every element is
+selected (``nonzero``, ``masked_select``, boolean indexing: the largest size, so memory is not
+under-estimated). Random draws for shadows use a forked RNG, so tracing leaves the user's RNG alone.
+
+Limitations:
+    A branch taken on an unknown value may not be the branch the real step takes; the estimate lists
+    every such read (``Estimate.notes``) so the user can judge it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+_REAL = "_batchfit_real"
+"""Attribute of a fake storage holding the real storage of its shadow."""
+
+_aten = torch.ops.aten
+_SCALAR_READS = frozenset({_aten._local_scalar_dense.default, _aten.item.default})
+_PRIM_DEVICE = torch.ops.prim.device.default
+DEFAULT_LIMIT = 1 << 20
+"""Largest output (elements) computed for real: a token batch's ids and masks (B x T up to a million)
+are shadowed, weight matrices never are."""
+
+
+@dataclass(frozen=True)
+class ValueNote:
+    """One read of a value the trace could not know, and what was assumed."""
+
+    module: str
+    op: str
+    assumed: str
+
+    def __str__(self) -> str:
+        return f"{self.module}: {self.op} read a value of the step's data; assumed {self.assumed}"
+
+
+def real_of(t: Any) -> torch.Tensor | None:
+    """The real value of ``t``: itself if real, its shadow if fake and known, else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if not isinstance(t, FakeTensor):
+        return t
+    storage = getattr(t.untyped_storage(), _REAL, None)
+    if storage is None:
+        return None
+    with _disable_current_modes():
+        return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def forget(t: Any) -> None:
+    """Drop the shadow of ``t``'s storage (its value is no longer known)."""
+    if isinstance(t, FakeTensor):
+        st = t.untyped_storage()
+        if getattr(st, _REAL, None) is not None:
+            setattr(st, _REAL, None)
+
+
+def adopt(fake: torch.Tensor, real: torch.Tensor) -> None:
+    """Make ``real`` the value of ``fake`` (same layout, or copied into ``fake``'s layout)."""
+    if not isinstance(fake, FakeTensor) or fake.shape != real.shape:
+        return
+    st = fake.untyped_storage()
+    real_st = real.untyped_storage()
+    if getattr(st, _REAL, None) is real_st:
+        return
+    if (
+        real.stride() == fake.stride()
+        and real.storage_offset() == fake.storage_offset()
+        and real_st.nbytes() == st.nbytes()
+        and real.dtype == fake.dtype
+    ):
+        setattr(st, _REAL, real_st)
+        return
+    with _disable_current_modes():
+        base = torch.empty(0, dtype=fake.dtype).set_(
+            torch.UntypedStorage(st.nbytes()), fake.storage_offset(), fake.shape, fake.stride()
+        )
+        base.copy_(real)
+    setattr(st, _REAL, base.untyped_storage())
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors an op writes to (its ``Tensor(a!)`` arguments, lists included)."""
+    out = []
+    schema = func._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+class ValueMode(TorchDispatchMode):
+    """Keeps real shadows of small fake tensors and answers value reads (see the NOTE above).
+
+    Args:
+        where: names the module running now, for notes (the tracer's module stack).
+        limit: largest output, in elements, computed for real.
+    """
+
+    def __init__(self, where: Callable[[], str] | None = None, limit: int = DEFAULT_LIMIT) -> None:
+        super().__init__()
+        self.where = where or (lambda: "model construction")
+        self.limit = limit
+        self.notes: dict[ValueNote, int] = {}
+        """Each assumption made, with how many times it was made."""
+        self._rng: contextlib.ExitStack | None = None
+
+    # -- context: the shadows' random draws come from a forked generator --------------------------
+    def __enter__(self) -> ValueMode:
+        self._rng = contextlib.ExitStack()
+        self._rng.enter_context(torch.random.fork_rng(devices=[]))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._rng is not None:
+                self._rng.close()
+                self._rng = None
+
+    def note(self, op: Any, assumed: str) -> None:
+        key = ValueNote(self.where(), str(op), assumed)
+        self.notes[key] = self.notes.get(key, 0) + 1
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is _PRIM_DEVICE:
+            return func(*args, **kwargs)
+        if func in _SCALAR_READS:
+            return self._read(func, args[0])
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            return self._data_dependent(func, args, kwargs)
+        self._propagate(func, args, kwargs, out)
+        return out
+
+    def _real_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` on the inputs' real values, or None when one is unknown or the op fails."""
+        flat, spec = tree_flatten((args, kwargs))
+        real_flat = []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                r = real_of(a)
+                if r is None:
+                    return None
+                real_flat.append(r)
+            else:
+                real_flat.append(a)
+        rargs, rkwargs = tree_unflatten(real_flat, spec)
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                return (func(*rargs, **rkwargs),)
+        except Exception:  # noqa: BLE001 - a value we cannot compute is just unknown
+            return None
+
+    def _propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        computable = (
+            bool(outs)
+            and all(t.numel() <= self.limit and not t.requires_grad for t in outs)
+            and getattr(func, "namespace", "aten") != "profiler"
+        )
+        if computable:
+            result = self._real_call(func, args, kwargs)
+            if result is not None:
+                real_outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
+                if len(real_outs) == len(outs):
+                    for fake, real in zip(outs, real_outs):
+                        adopt(fake, real)
+                    return
+        if func._schema.is_mutable:
+            for t in _written(func, args, kwargs):
+                forget(t)
+        for t in outs:  # an output that aliases a shadowed input but was not computed: forget it
+            forget(t)
+
+    def _read(self, func: Any, t: torch.Tensor) -> Any:
+        real = real_of(t)
+        if real is not None:
+            with _disable_current_modes():
+                return real.item()
+        if t.dtype == torch.bool:
+            self.note(func, "False")
+            return False
+        self.note(func, "1")
+        return 1 if not (t.is_floating_point() or t.is_complex()) else 1.0
+
+    def _data_dependent(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        result = self._real_call(func, args, kwargs)
+        if result is not None:
+            return self._fake_like(result[0])
+        return self._assume(func, args, kwargs)
+
+    def _fake_like(self, real: Any) -> Any:
+        """Fakes shaped like the real outputs of a data-dependent op, with them as their values."""
+
+        def one(r: Any) -> Any:
+            if not isinstance(r, torch.Tensor):
+                return r
+            fake = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype)
+            adopt(fake, r)
+            return fake
+
+        return tree_map(one, real)
+
+    def _assume(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A data-dependent op on unknown data: every element selected (the largest output)."""
+        name = func._schema.name
+        x = args[0] if args else None
+        if name == "aten::nonzero" and isinstance(x, torch.Tensor):
+            self.note(func, f"all {x.numel()} elements nonzero")
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long)
+        if name == "aten::masked_select" and isinstance(x, torch.Tensor):
+            shape = torch.broadcast_shapes(x.shape, args[1].shape)
+            self.note(func, "every element selected")
+            return torch.empty((math.prod(shape),), dtype=x.dtype)
+        if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+            indices: list[Any] = []
+            for index in args[1]:
+                indices.extend(self._as_long_indices(index, func))
+            return func(args[0], indices, *args[2:], **kwargs)
+        if name.startswith("aten::unique") or name == "aten::_unique2" or name == "aten::_unique":
+            self.note(func, "every element distinct")
+            n = x.numel() if x is not None else 0
+            outs = [torch.empty((n,), dtype=x.dtype)]
+            returns = func._schema.returns
+            for _ in returns[1:]:
+                outs.append(torch.empty((n,), dtype=torch.long))
+            return tuple(outs) if len(returns) > 1 else outs[0]
+        returns = func._schema.returns
+        if len(returns) == 1 and str(returns[0].type) == "bool":
+            self.note(func, "False")
+            return False
+        if len(returns) == 1 and str(returns[0].type) in ("int", "float", "Scalar"):
+            self.note(func, "1")
+            return 1
+        raise DynamicOutputShapeException(func)
+
+    def _as_long_indices(self, index: Any, func: Any) -> list[Any]:
+        """A boolean mask of k dims as the k long indices of its nonzeros (all of them, assumed)."""
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+            self.note(func, f"every element of a boolean mask of {index.numel()} selected")
+            return list(torch.empty((index.dim(), index.numel()), dtype=torch.long).unbind(0))
+        return [index]
