@@ -197,3 +197,67 @@ def test_optimizer_runs_foreach_on_cuda_only() -> None:
     peak, foreach = optimizer_scratch("cpu")
     assert not foreach
     assert 3 * param <= peak < 3 * param + 512 < N_LAYERS * param
+
+
+# -- 5. recurrent layers: cuDNN's reserve space ---------------------------------------------------------
+class _LSTM(nn.Module):
+    def __init__(self, bidirectional: bool) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, bidirectional=bidirectional)
+        self.head = nn.Linear(64 if bidirectional else 32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][-1])
+
+
+def _lstm_workload(bidirectional: bool) -> Workload:
+    return Workload(
+        model=lambda: _LSTM(bidirectional),
+        batch=lambda b: (torch.randn(10, b, 16), torch.randint(0, 3, (b,))),  # (T, B, features)
+        loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
+    )
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_cuda_lstm_keeps_a_cudnn_reserve_per_layer_and_direction(bidirectional: bool) -> None:
+    from batchfit.memory.cuda import cudnn_rnn_reserve_bytes
+
+    t, _ = trace(_lstm_workload(bidirectional), 8, "A100-40GB")
+    start, end = _phase_bounds(t, "forward", 1)
+    layers = [s for s in t.events[start:end] if s >= 0 and t.op.get(s) == "aten.mkldnn_rnn_layer.default"]
+    reserves = [s for s in layers if t.nbytes[s] == cudnn_rnn_reserve_bytes(10 * 8, 32, 2, F32)]
+    assert len(reserves) == 2 * (2 if bidirectional else 1)  # two layers, each direction
+    assert cudnn_rnn_reserve_bytes(10 * 8, 32, 2, F32) == 10 * 8 * 32 * 6 * 4  # LSTM: 4 gates + h + c
+    back_start, _ = _phase_bounds(t, "backward", 1)
+    assert set(reserves) <= _alive_before(t, back_start)  # kept from the forward for the backward
+
+
+def test_cpu_lstm_counts_onednn_workspace() -> None:
+    t, _ = trace(_lstm_workload(False), 8, "cpu")
+    start, end = _phase_bounds(t, "forward", 1)
+    outputs = [s for s in t.events[start:end] if s >= 0 and t.op.get(s) == "aten.mkldnn_rnn_layer.default"]
+    assert max(t.nbytes[s] for s in outputs) > 10 * 8 * 32 * 4  # the real kernel's workspace, not the meta's 0
+
+
+# -- 6. grouped GEMM --------------------------------------------------------------------------------------
+class _GroupedExperts(nn.Module):
+    """Three experts applied to sorted token groups with ``_grouped_mm``: 5 output features (20 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 16, 5) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        offs = torch.tensor([n // 3, 2 * n // 3, n], dtype=torch.int32)
+        return torch._grouped_mm(x, self.w, offs=offs)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_cuda_grouped_mm_output_rows_are_padded_to_16_bytes() -> None:
+    wl = Workload(model=_GroupedExperts, batch=lambda b: torch.randn(b, 16), loss=lambda m, x: m(x).square().mean())
+    for device, row_bytes in (("A100-40GB", 8 * F32), ("cpu", 5 * F32)):
+        t, _ = trace(wl, 96, device)
+        start, end = _phase_bounds(t, "forward", 1)
+        out = [s for s in t.events[start:end] if s >= 0 and t.op.get(s) == "aten._grouped_mm.default"]
+        assert [t.nbytes[s] for s in out] == [96 * row_bytes - (3 * F32 if device != "cpu" else 0)]

@@ -101,10 +101,13 @@ HF_ENTRIES = [
     Entry("albert", "encoder", enc("AlbertConfig", embedding_size=16)),
     Entry("electra-tokens", "encoder", enc("ElectraConfig", "token-classification", embedding_size=32)),
     Entry("deberta-v2", "encoder", enc("DebertaV2Config", relative_attention=True, pos_att_type=["p2c", "c2p"])),
-    Entry("modernbert", "encoder", enc("ModernBertConfig", global_attn_every_n_layers=2, local_attention=8)),
+    Entry("modernbert", "encoder", enc("ModernBertConfig", global_attn_every_n_layers=2, local_attention=8,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                       sep_token_id=2)),  # fmt: skip
     # encoder-decoders
     Entry("t5", "encoder-decoder", partial(hf, "T5Config", "seq2seq-lm", T, d_model=32, d_kv=8, d_ff=64,
-                                           num_layers=2, num_heads=4, vocab_size=V)),  # fmt: skip
+                                           num_layers=2, num_heads=4, vocab_size=V, pad_token_id=0,
+                                           eos_token_id=1, decoder_start_token_id=0)),  # fmt: skip
     Entry("bart", "encoder-decoder", partial(hf, "BartConfig", "seq2seq-lm", T, d_model=32, encoder_layers=2,
                                              decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                                              encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=V,
@@ -116,8 +119,8 @@ HF_ENTRIES = [
                                            drop_path_rate=0.1)),  # fmt: skip
     Entry("regnet", "vision-cnn", vision("RegNetConfig", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                          groups_width=8)),  # fmt: skip
-    Entry("efficientnet", "vision-cnn", vision("EfficientNetConfig", image_size=32, width_coefficient=0.1,
-                                               depth_coefficient=0.1, hidden_dim=32)),  # fmt: skip
+    Entry("efficientnet", "vision-cnn", vision("EfficientNetConfig", image_size=32, width_coefficient=0.25,
+                                               depth_coefficient=0.1, hidden_dim=320)),  # fmt: skip
     Entry("mobilenet-v2", "vision-cnn", vision("MobileNetV2Config", image_size=32, depth_multiplier=0.25)),
     # vision transformers: plain, windowed, relative position
     Entry("vit", "vit", vision("ViTConfig", **_VIT)),
@@ -129,7 +132,9 @@ HF_ENTRIES = [
     Entry("whisper", "audio", partial(hf, "WhisperConfig", "speech-seq2seq", 8, d_model=32, encoder_layers=2,
                                       decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                                       encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-                                      max_source_positions=32, max_target_positions=16, vocab_size=V)),  # fmt: skip
+                                      max_source_positions=32, max_target_positions=16, vocab_size=V,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      decoder_start_token_id=1)),  # fmt: skip
     Entry("wav2vec2-ctc", "audio", partial(hf, "Wav2Vec2Config", "ctc", 1600, **_LM, conv_dim=(16, 16),
                                            conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
                                            num_conv_pos_embedding_groups=4)),  # fmt: skip
@@ -167,11 +172,13 @@ class Recurrent(nn.Module):
 
     def __init__(self, kind: str, bidirectional: bool, packed: bool = False) -> None:
         super().__init__()
+        self.proj = nn.Linear(16, 16)  # so that the packed input requires grad (pack's backward runs)
         self.rnn = getattr(nn, kind)(16, 32, num_layers=2, batch_first=True, bidirectional=bidirectional)
         self.head = nn.Linear(64 if bidirectional else 32, 5)
         self.packed = packed
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.proj(x)
         if self.packed and lengths is not None:
             x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
             out, _ = self.rnn(x)
@@ -214,22 +221,36 @@ class BagOfEmbeddings(nn.Module):
 
 
 class IndexAddMoE(nn.Module):
-    """Top-2 routing to 4 expert MLPs with ``index_add_`` (the pre-grouped-GEMM way of writing MoE)."""
+    """Mixture of experts written with ``index_add`` (the pre-grouped-GEMM way).
 
-    def __init__(self, dim: int = 32, experts: int = 4) -> None:
+    With ``hashed`` each token goes to two experts chosen by its id (hash layers, Roller et al. 2021),
+    so the tokens per expert follow from the batch's ids, which the trace knows; otherwise a learned
+    router picks them, and the trace, which cannot know a router's choices, assumes every token
+    reaches every expert (an upper bound, noted in the estimate).
+    """
+
+    def __init__(self, dim: int = 32, experts: int = 4, hashed: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(V, dim)
         self.router = nn.Linear(dim, experts)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 64), nn.GELU(), nn.Linear(64, dim))
                                      for _ in range(experts))  # fmt: skip
         self.head = nn.Linear(dim, V)
+        self.hashed = hashed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids).flatten(0, 1)  # (n, dim)
-        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)  # (n, 2)
+        flat = ids.flatten()  # (n,)
+        x = self.embed(flat)  # (n, dim)
+        probs = self.router(x).softmax(-1)  # (n, experts)
+        n_experts = len(self.experts)
+        if self.hashed:
+            chosen = torch.stack([flat % n_experts, (flat // n_experts + 1 + flat) % n_experts], 1)  # (n, 2)
+        else:
+            chosen = probs.topk(2, dim=-1).indices  # (n, 2)
+        weights = probs.gather(1, chosen)  # (n, 2)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(chosen == e)  # tokens routed to e
+            rows, slot = torch.where(chosen == e)  # the tokens routed to expert e
             out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
         return self.head(out).view(*ids.shape, V)
 
@@ -255,6 +276,38 @@ class WindowAttention(nn.Module):
         scores = scores + self.bias[:, self.rel]  # (b, n, h, w, w)
         out = torch.einsum("bnhij,bnjhc->bnihc", scores.softmax(-1), v).reshape(b, t, d)
         return self.head(out.mean(1))
+
+
+class LazyMLP(nn.Module):
+    """``nn.LazyLinear`` layers: their weights exist only after a first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.LazyLinear(64), nn.ReLU(), nn.LazyLinear(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class LateBuffer(nn.Module):
+    """A causal mask registered as a buffer on the first forward (a late buffer), then reused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        if getattr(self, "mask", None) is None or self.mask.shape[0] != t:
+            self.register_buffer("mask", torch.triu(torch.ones(t, t, dtype=torch.bool), 1), persistent=False)
+        x = self.embed(ids)
+        return self.head(self.attn(x, x, x, attn_mask=self.mask, need_weights=False)[0].mean(1))
+
+
+def _features(b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, width), torch.randint(0, 5, (b,))
 
 
 def _ids(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,6 +356,8 @@ TORCH_ENTRIES = [
     Entry("index-add-moe", "torch", partial(torch_workload, IndexAddMoE, lambda b: torch.randint(0, V, (b, T + 1)),
                                             _lm_loss)),  # fmt: skip
     Entry("window-attention", "torch", partial(torch_workload, WindowAttention, _ids)),
+    Entry("lazy-mlp", "torch", partial(torch_workload, LazyMLP, partial(_features, width=24))),
+    Entry("late-buffer", "torch", partial(torch_workload, LateBuffer, _ids)),
 ]
 
 
@@ -332,22 +387,22 @@ def _peft(kind: str, **kw: Any) -> Callable[[], Any]:
 
 _LLAMA = lm("LlamaConfig", num_key_value_heads=2)
 _BERT = enc("BertConfig")
+_QV = ["q_proj", "v_proj"]
+_LORA = _peft("LoraConfig", r=4, target_modules=_QV)
+_LORA_ALL = _peft("LoraConfig", r=4, lora_dropout=0.1, target_modules="all-linear")
+_IA3 = _peft("IA3Config", target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+_LORA_SAVE = _peft("LoraConfig", r=4, target_modules=["query", "value"], modules_to_save=["classifier"])
+_ADALORA = _peft("AdaLoraConfig", init_r=4, target_r=2, total_step=10, target_modules=_QV)
+_PREFIX = _peft("PrefixTuningConfig", task_type="CAUSAL_LM", num_virtual_tokens=4)
+_PROMPT = _peft("PromptTuningConfig", task_type="CAUSAL_LM", num_virtual_tokens=4)
 PEFT_ENTRIES = [
-    Entry("lora-llama", "peft", partial(peft_workload, _LLAMA, _peft("LoraConfig", r=4, target_modules=["q_proj", "v_proj"]),
-                                        "lora-llama")),  # fmt: skip
-    Entry("lora-all-linear-llama", "peft", partial(peft_workload, _LLAMA, _peft("LoraConfig", r=4, lora_dropout=0.1,
-                                                   target_modules="all-linear"), "lora-all-linear")),  # fmt: skip
-    Entry("ia3-llama", "peft", partial(peft_workload, _LLAMA, _peft("IA3Config", target_modules=["k_proj", "v_proj",
-                                       "down_proj"], feedforward_modules=["down_proj"]), "ia3-llama")),  # fmt: skip
-    Entry("lora-bert-modules-to-save", "peft", partial(peft_workload, _BERT, _peft("LoraConfig", r=4,
-                                                       target_modules=["query", "value"],
-                                                       modules_to_save=["classifier"]), "lora-bert")),  # fmt: skip
-    Entry("adalora-llama", "peft", partial(peft_workload, _LLAMA, _peft("AdaLoraConfig", init_r=4, target_r=2,
-                                           total_step=10, target_modules=["q_proj", "v_proj"]), "adalora")),  # fmt: skip
-    Entry("prefix-tuning-gpt2", "peft", partial(peft_workload, HF_ENTRIES[0].make, _peft("PrefixTuningConfig",
-                                                task_type="CAUSAL_LM", num_virtual_tokens=4), "prefix-gpt2")),  # fmt: skip
-    Entry("prompt-tuning-llama", "peft", partial(peft_workload, _LLAMA, _peft("PromptTuningConfig",
-                                                 task_type="CAUSAL_LM", num_virtual_tokens=4), "prompt-llama")),  # fmt: skip
+    Entry("lora-llama", "peft", partial(peft_workload, _LLAMA, _LORA, "lora-llama")),
+    Entry("lora-all-linear-llama", "peft", partial(peft_workload, _LLAMA, _LORA_ALL, "lora-all-linear")),
+    Entry("ia3-llama", "peft", partial(peft_workload, _LLAMA, _IA3, "ia3-llama")),
+    Entry("lora-bert-modules-to-save", "peft", partial(peft_workload, _BERT, _LORA_SAVE, "lora-bert")),
+    Entry("adalora-llama", "peft", partial(peft_workload, _LLAMA, _ADALORA, "adalora")),
+    Entry("prefix-tuning-gpt2", "peft", partial(peft_workload, HF_ENTRIES[0].make, _PREFIX, "prefix-gpt2")),
+    Entry("prompt-tuning-llama", "peft", partial(peft_workload, _LLAMA, _PROMPT, "prompt-llama")),
 ]
 
 ZOO: list[Entry] = HF_ENTRIES + TORCH_ENTRIES + PEFT_ENTRIES

@@ -7,6 +7,7 @@ Bad input ends with one line ``batchfit: error: ...`` naming the fix, and exit c
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated, Any
 
@@ -28,7 +29,24 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-PresetArg = Annotated[str, typer.Argument(help="A preset name (see `batchfit presets`) or module.path:function.")]
+PresetArg = Annotated[
+    str,
+    typer.Argument(
+        help="A preset (see `batchfit presets`), a Hugging Face hub id, a model directory or config.json, "
+        "or path/to/file.py:function / module.path:function returning a Workload."
+    ),
+]
+TaskOpt = Annotated[
+    str | None,
+    typer.Option("--task", help="Training task of a hub model (default: from its config), e.g. causal-lm."),
+]
+LoraOpt = Annotated[
+    str | None,
+    typer.Option("--lora", help="Fine-tune LoRA adapters only: r=16,alpha=32,targets=q_proj+v_proj (method=ia3 too)."),
+]
+LoraTargetsOpt = Annotated[
+    str | None, typer.Option("--lora-targets", help="Modules to adapt: all-linear, or names joined by +.")
+]
 DeviceOpt = Annotated[
     str, typer.Option("--device", "-d", help="A catalog GPU (see `batchfit gpus`), a capacity like 24GiB, or cpu.")
 ]
@@ -89,10 +107,21 @@ def _overrides(seq_len: int | None, optimizer: str | None, sets: list[str] | Non
     return out
 
 
-def _workload(preset: str, seq_len: int | None, optimizer: str | None, sets: list[str] | None) -> Any:
-    from .presets import load
+def _workload(
+    preset: str,
+    seq_len: int | None,
+    optimizer: str | None,
+    sets: list[str] | None,
+    task: str | None = None,
+    lora: str | None = None,
+    lora_targets: str | None = None,
+) -> Any:
+    from .sources import load, parse_lora
 
-    return load(preset, **_overrides(seq_len, optimizer, sets))
+    adapters = None
+    if lora is not None or lora_targets is not None:
+        adapters = parse_lora(lora or "", targets=lora_targets)
+    return load(preset, task=task, lora=adapters, **_overrides(seq_len, optimizer, sets))
 
 
 def _device(name: str, context_mib: float | None) -> Any:
@@ -122,6 +151,9 @@ def estimate(
         bool, typer.Option("--expandable-segments", help="Model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
     ] = False,
     accumulation_steps: AccumulationOpt = 1,
+    task: TaskOpt = None,
+    lora: LoraOpt = None,
+    lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -132,7 +164,7 @@ def estimate(
     check_batch_size(batch_size, "--batch-size")
     check_batch_size(accumulation_steps, "--accumulation-steps")
     dev = _device(device, context_mib)
-    wl = _workload(preset, seq_len, optimizer, set_)
+    wl = _workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
     est = run_estimate(
         wl,
         batch_size,
@@ -196,6 +228,9 @@ def fit_command(
     margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
     accumulation_steps: AccumulationOpt = 1,
     context_mib: ContextOpt = None,
+    task: TaskOpt = None,
+    lora: LoraOpt = None,
+    lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -206,7 +241,7 @@ def fit_command(
     check_batch_size(accumulation_steps, "--accumulation-steps")
 
     result = fit(
-        _workload(preset, seq_len, optimizer, set_),
+        _workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
         _device(device, context_mib),
         precision=precision,
         checkpointing="blocks" if checkpointing else None,
@@ -241,6 +276,9 @@ def plan_command(
     base_batch_size: BaseBatchSizeOpt = None,
     lr_rule: LrRuleOpt = LrRule.auto,
     context_mib: ContextOpt = None,
+    task: TaskOpt = None,
+    lora: LoraOpt = None,
+    lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -248,7 +286,7 @@ def plan_command(
     from .plan import plan
 
     result = plan(
-        _workload(preset, seq_len, optimizer, set_),
+        _workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
         global_batch_size,
         device=_device(device, context_mib),
         gpus=gpus,
@@ -368,4 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     except _CLICK_EXCEPTION as exc:
         sys.stderr.write(f"batchfit: error: {exc.format_message()}\n")  # type: ignore[attr-defined]
         return getattr(exc, "exit_code", 1)
+    except KeyboardInterrupt:
+        sys.stderr.write("batchfit: interrupted\n")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - nothing a user passes in may end in a traceback
+        if os.environ.get("BATCHFIT_DEBUG"):
+            raise
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        sys.stderr.write(
+            f"batchfit: error: unexpected {type(exc).__name__}: {text} "
+            "(please report it; BATCHFIT_DEBUG=1 shows the traceback)\n"
+        )
+        return 1
     return rv if isinstance(rv, int) else 0

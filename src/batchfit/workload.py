@@ -88,3 +88,25 @@ class Workload:
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters that get gradients and optimizer state (frozen ones, as in LoRA, get neither)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds before a step: parameters, buffers, and plain tensor attributes.
+
+    A module may keep tensors that are neither parameters nor buffers (``self.ids = torch.arange(n)``,
+    or a dict of them, as peft's prompt tuning does); they occupy memory from construction on, like
+    the weights. Attributes are looked at one container deep (a tensor, or a dict/list/tuple of them).
+    """
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(t), t)
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, dict):
+                value = list(value.values())
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+                    seen.setdefault(id(v), v)
+    return list(seen.values())

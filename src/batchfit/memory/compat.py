@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
-from .values import real_of
+from .values import adopt, real_of
 
 
 @contextlib.contextmanager
@@ -123,12 +124,105 @@ def fakes_kept_out_of_caches() -> Iterator[None]:
                 w.cache_clear()
 
 
+def _real_long(t: torch.Tensor, fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The real value of a small CPU int64 tensor of the trace (``fallback()`` when it is unknown)."""
+    if not isinstance(t, FakeTensor):
+        return t
+    value = real_of(t)
+    if value is None:
+        with _disable_current_modes():
+            value = fallback()
+    return value
+
+
+def _pad_packed(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, padding_value: Any,
+                total_length: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``aten::_pad_packed_sequence`` op for op as ``PackedSequence.cpp`` runs it, with the batch
+    sizes read in Python (the C++ composite reads them, and writes the lengths, through raw pointers)."""
+    sizes = _real_long(batch_sizes, lambda: torch.ones(batch_sizes.shape, dtype=torch.int64)).tolist()
+    max_batch, real_steps = sizes[0], len(sizes)
+    steps = max(total_length, real_steps) if total_length > 0 else real_steps
+    output = torch.full((steps, max_batch, *data.shape[1:]), padding_value, dtype=data.dtype)
+    lengths = [0] * max_batch
+    offset, prev_batch, prev_i = 0, max_batch, 0
+    for i in range(real_steps + 1):
+        batch = sizes[i] if i != real_steps else 0
+        if batch != prev_batch:
+            n = prev_batch * (i - prev_i)
+            block = data[offset : offset + n].view(i - prev_i, prev_batch, *data.shape[1:])
+            output[prev_i:i, :prev_batch].copy_(block)
+            offset, prev_i = offset + n, i
+        for j in range(batch, prev_batch):
+            lengths[j] = i
+        prev_batch = batch
+    if batch_first:
+        output = output.transpose(0, 1)
+    with _disable_current_modes():
+        lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    return output, lengths_t
+
+
+def _pack_padded_backward(grad: torch.Tensor, input_size: Any, batch_sizes: torch.Tensor,
+                          batch_first: bool) -> torch.Tensor:  # fmt: skip
+    """``aten::_pack_padded_sequence_backward`` as ``PackedSequence.cpp`` runs it, sizes read in Python."""
+    size = list(input_size)
+    if batch_first:
+        size[0], size[1] = size[1], size[0]
+    grad_input = torch.zeros(size, dtype=grad.dtype)
+    offset = 0
+    for i, b in enumerate(_real_long(batch_sizes, lambda: torch.full(batch_sizes.shape, size[1])).tolist()):
+        grad_input[i][:b].copy_(grad[offset : offset + b])
+        offset += b
+    return grad_input.transpose(0, 1) if batch_first else grad_input
+
+
+@contextlib.contextmanager
+def packed_sequences() -> Iterator[None]:
+    """Run the packed-sequence kernels on real lengths and batch sizes.
+
+    ``_pack_padded_sequence``, ``_pad_packed_sequence``, their backward and the packed RNN kernels
+    read ``lengths`` / ``batch_sizes`` (small CPU int64 tensors) through raw pointers, below the
+    dispatcher, so fake ones fail ("data is not allocated") where no mode can answer. The lengths'
+    value is usually known to the trace (``memory/values.py``; unknown lengths are taken as
+    full-length sequences, the most memory); the batch sizes are made by the real kernel from a
+    one-feature dummy and become the value of the fake ones. The two composites that also *write*
+    through raw pointers run as their Python equivalents, op for op, so autograd sees the same ops.
+    """
+    vf = torch._VF
+    original = vf._pack_padded_sequence
+
+    def pack(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> Any:
+        full = input.shape[1] if batch_first else input.shape[0]
+        lengths = _real_long(lengths, lambda: torch.full(tuple(lengths.shape), full, dtype=torch.int64))
+        data, batch_sizes = original(input, lengths, batch_first)
+        if isinstance(batch_sizes, FakeTensor):
+            with _disable_current_modes():
+                dummy = torch.zeros(int(lengths.max()), lengths.numel(), 1)  # (t, b, 1): only its shape matters
+                real = original(dummy, lengths, False)[1]
+            adopt(batch_sizes, real)
+            batch_sizes = real
+        return data, batch_sizes
+
+    lib = torch.library.Library("aten", "IMPL")
+    vf._pack_padded_sequence = pack
+    vf._pad_packed_sequence = _pad_packed
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            lib.impl("_pack_padded_sequence_backward", _pack_padded_backward, "CompositeImplicitAutograd")
+        yield
+    finally:
+        lib._destroy()
+        del vf._pack_padded_sequence, vf._pad_packed_sequence
+
+
 @contextlib.contextmanager
 def library_compat() -> Iterator[None]:
     """Patch the known library branches for the duration of a trace (each with its restore)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_kernel_fixes())
         stack.enter_context(fakes_kept_out_of_caches())
+        stack.enter_context(packed_sequences())
         masking = sys.modules.get("transformers.masking_utils")
         original = getattr(masking, "find_packed_sequence_indices", None)
         if masking is not None and original is not None:

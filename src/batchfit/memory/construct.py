@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import BatchfitError, ConfigError
 from .values import DEFAULT_LIMIT, adopt, forget
@@ -100,23 +102,44 @@ def _same_module(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     return self
 
 
+def _real_placeholder(original_new: Any) -> Any:
+    """``Uninitialized*.__new__`` with its 0-element placeholder made real: a fake one cannot be
+    re-wrapped as the lazy subclass ("already associated to a python object of type FakeTensor")."""
+
+    def new(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return original_new(cls, *args, **kwargs)
+
+    return new
+
+
 @contextlib.contextmanager
 def fake_construction() -> Iterator[None]:
     """While active, constructors that move or cast fake parameters work (see the NOTE above)."""
+    from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
+
     saved = {name: getattr(nn.Module, name) for name in ("_apply", "to", "cuda", "xpu", "mps", "npu")
              if hasattr(nn.Module, name)}  # fmt: skip
+    lazy_new = {cls: cls.__dict__["__new__"] for cls in (UninitializedParameter, UninitializedBuffer)}
     _active.append(_Swaps())
     nn.Module._apply = _fake_safe_apply  # type: ignore[method-assign]
     nn.Module.to = _to_without_device  # type: ignore[method-assign]
     for name in ("cuda", "xpu", "mps", "npu"):
         if name in saved:
             setattr(nn.Module, name, _same_module)
+    for cls, new in lazy_new.items():
+        cls.__new__ = staticmethod(_real_placeholder(new.__func__ if isinstance(new, staticmethod) else new))
     try:
-        yield
+        with warnings.catch_warnings():
+            # copy.deepcopy of a fake module reads data_ptr() (Tensor.__deepcopy__): harmless here
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield
     finally:
         _active.pop()
         for name, fn in saved.items():
             setattr(nn.Module, name, fn)
+        for cls, new in lazy_new.items():
+            cls.__new__ = new
 
 
 @contextlib.contextmanager
@@ -170,8 +193,10 @@ def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
 def _fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fake of ``t``'s layout; small CPU tensors keep their real value as the fake's shadow."""
     fake = torch.empty_strided(t.shape, t.stride(), dtype=dtype)
-    if t.device.type == "cpu" and t.dtype == dtype and t.numel() <= DEFAULT_LIMIT and not t.is_meta:
-        adopt(fake, t.detach())
+    if t.device.type == "cpu" and t.dtype == dtype and t.numel() <= DEFAULT_LIMIT and not isinstance(t, FakeTensor):
+        with _disable_current_modes():
+            real = t.detach()
+        adopt(fake, real)
     else:
         forget(fake)
     return fake
@@ -267,15 +292,56 @@ def own_fakes(model: nn.Module) -> int:
     return len(made)
 
 
-def materialize_lazy(model: nn.Module, workload: Any) -> bool:
-    """Run one no-grad forward on a batch of one item if the model has lazy (uninitialised) parameters."""
-    from torch.nn.parameter import is_lazy
+def materialize_lazy(model: nn.Module, workload: Any, move: Any = None) -> bool:
+    """Run one no-grad forward on a batch of one item if the model has lazy (uninitialised) parameters.
 
-    if not any(is_lazy(p) for p in model.parameters()):
+    A loop must do the same before it makes its optimizer (torch.nn.modules.lazy's note); ``move``
+    places the batch on the model's device.
+    """
+    from torch.nn.parameter import UninitializedTensorMixin, is_lazy
+
+    lazy = [p for p in [*model.parameters(), *model.buffers()] if is_lazy(p)]
+    if not lazy:
         return False
-    with torch.no_grad():
-        workload.loss(model, workload.batch(1))
+    batch = workload.batch(1)
+    if move is not None:
+        from ..batching import map_tensors
+
+        batch = map_tensors(batch, move)
+    original = UninitializedTensorMixin.materialize
+    if isinstance(torch.empty(0), FakeTensor):  # a fake build: the placeholders are real, see _real_placeholder
+        UninitializedTensorMixin.materialize = _fake_materializer(model)  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            workload.loss(model, batch)
+    finally:
+        UninitializedTensorMixin.materialize = original  # type: ignore[method-assign]
     return True
+
+
+def _fake_materializer(model: nn.Module) -> Any:
+    """``materialize`` that puts a fake parameter (or buffer) in its owners' place.
+
+    A real placeholder cannot take fake data (``param.data = fake`` refuses the mix), so every module
+    holding the lazy tensor gets a new fake one instead; the lazy module reads it back by attribute.
+    """
+    owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            owners.setdefault(id(p), []).append((module, name, True))
+        for name, b in module._buffers.items():
+            owners.setdefault(id(b), []).append((module, name, False))
+
+    def materialize(self: Any, shape: Any, device: Any = None, dtype: Any = None) -> None:
+        fake = torch.empty(shape, dtype=dtype or self.dtype)
+        param = nn.Parameter(fake, requires_grad=self.requires_grad)
+        for module, name, parameter in owners.get(id(self), []):
+            if parameter:
+                module._parameters[name] = param
+            else:
+                module._buffers[name] = fake
+
+    return materialize
 
 
 def _first_line(e: BaseException) -> str:

@@ -23,9 +23,22 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
 4. cuBLAS workspace. Each cuBLAS handle/stream gets a workspace from the caching allocator on its
    first GEMM (``CublasHandlePool.cpp``), and training uses two: the forward thread's and the
    autograd engine's. It stays allocated.
+5. Recurrent layers. On the CPU, ``nn.LSTM``/``GRU``/``RNN`` run oneDNN's ``mkldnn_rnn_layer``, whose
+   meta kernel returns an empty ``workspace``; on CUDA they run ``_cudnn_rnn``, which keeps a cuDNN
+   *reserve space* from the forward to the backward (``aten/src/ATen/native/cudnn/RNN.cpp``: its size
+   is ``cudnnGetRNNTempSpaces``'s reserve, allocated as a byte tensor from the caching allocator and
+   returned for backward). cuDNN does not publish the formula; the reserve holds, for every layer,
+   direction and time step, what backward needs: the gate pre-activations and the hidden and cell
+   states. It is modelled as ``T x B x H x (gates + 2)`` elements of the input's dtype per layer and
+   direction (gates: 4 LSTM, 3 GRU, 1 RNN), kept as long as the CPU kernel's workspace would be.
+   This is an assumption (``batchfit calibrate`` on a GPU checks it), on the side of more memory.
+6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
+   output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
+   which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
 
 Limitations:
-    cuDNN convolution workspaces (chosen at run time) and cuBLASLt's workspace are not modelled.
+    cuDNN convolution workspaces (chosen at run time) and cuBLASLt's workspace are not modelled;
+    cuDNN's RNN reserve is modelled, its transient workspace is not.
 """
 
 from __future__ import annotations
@@ -73,8 +86,54 @@ class CudaKernels:
         self._handles.add(handle)
         tracer.add_scratch(self.device.cublas_workspace_bytes, f"cuBLAS workspace ({handle})", transient=False)
 
+    def fix_outputs(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Lay out outputs as the CUDA kernel makes them (NOTE, items 5-6)."""
+        if func is _RNN_LAYER:
+            return _with_reserve(args, out)
+        if func is _GROUPED_MM:
+            return _padded_grouped_mm(out)
+        return out
+
     def finish(self, trace: Any) -> None:
         return None
+
+
+# -- 5. recurrent layers: cuDNN's reserve space ------------------------------------------------------
+_RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
+_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # cuDNN modes: RNN_RELU, RNN_TANH, LSTM, GRU
+
+
+def cudnn_rnn_reserve_bytes(rows: int, hidden: int, mode: int, itemsize: int) -> int:
+    """The modelled cuDNN reserve of one layer and direction over ``rows`` = time steps x batch (NOTE, item 5)."""
+    return rows * hidden * (_GATES.get(mode, 4) + 2) * itemsize
+
+
+def _with_reserve(args: tuple, out: Any) -> Any:
+    # mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
+    #                  has_biases, bidirectional, batch_first, train) -> (output, hy, cy, workspace)
+    if len(args) < 16 or not args[15] or not isinstance(out, tuple) or len(out) != 4:
+        return out
+    # The layer's input is time-major, (T, B, features), or the (rows, features) of a packed sequence.
+    x, mode, hidden = args[0], args[9], args[10]
+    rows = x.shape[0] * x.shape[1] if x.dim() == 3 else x.shape[0]
+    nbytes = cudnn_rnn_reserve_bytes(rows, hidden, mode, x.element_size())
+    reserve = torch.empty(nbytes, dtype=torch.uint8)
+    return (*out[:3], reserve)
+
+
+# -- 6. grouped GEMM ------------------------------------------------------------------------------------
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
+
+
+def _padded_grouped_mm(out: Any) -> Any:
+    if not isinstance(out, torch.Tensor) or out.dim() not in (2, 3):
+        return out
+    align = max(1, 16 // out.element_size())
+    padded = -(-out.shape[-1] // align) * align
+    if padded == out.shape[-1]:
+        return out
+    stride = [out.shape[1] * padded, padded, 1] if out.dim() == 3 else [padded, 1]
+    return torch.empty_strided(tuple(out.shape), stride, dtype=out.dtype)
 
 
 # -- 1 and 2: dropout and attention ----------------------------------------------------------------

@@ -56,6 +56,9 @@ class Estimate:
     """Times the caching allocator had to free its cache and retry (fragmentation pressure)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step the estimate is for (see ``Workload.accumulation_steps``)."""
+    notes: tuple[str, ...] = ()
+    """What the trace had to assume: values it could not know (the branch taken), compiled modules
+    run eagerly, kernels it could not measure. Empty when the trace is the step as it runs."""
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -180,6 +183,7 @@ def estimate_from_trace(
         analytic=analytic or {},
         num_alloc_retries=retries,
         accumulation_steps=accumulation_steps,
+        notes=tuple(trace.notes),
     )
 
 

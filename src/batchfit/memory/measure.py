@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..checkpointing import checkpoint_classes
 from ..precision import policy_for
-from ..workload import Workload
+from ..workload import Workload, model_tensors
 from .steps import build_for_steps, run_workload_steps
 
 
@@ -94,7 +94,7 @@ def measure_cpu_peak(
     model, optimizer = build_for_steps(
         workload, policy.param_dtype, checkpoint_classes(checkpointing, workload.checkpoint_blocks)
     )
-    start = live_storage_bytes([*model.parameters(), *model.buffers()])
+    start = live_storage_bytes(model_tensors(model))
 
     with cpu_memory_profile() as prof:
         run_workload_steps(

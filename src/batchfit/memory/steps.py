@@ -134,6 +134,10 @@ def build_for_steps(
         model = model.to(device)
     apply_checkpointing(model, checkpoint_classes)
     model.train()
+    from .construct import materialize_lazy
+
+    with default_dtype(param_dtype):
+        materialize_lazy(model, workload, move=(lambda t: t.to(device)) if device is not None else None)
     optimizer = workload.optimizer(trainable_parameters(model))
     if foreach:
         prefer_foreach(optimizer)

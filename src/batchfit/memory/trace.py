@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from ..workload import Workload, trainable_parameters
+from ..workload import Workload, model_tensors, trainable_parameters
 from .categories import Category
 from .steps import default_dtype
 from .tracker import RoleBook, StorageTracker
@@ -101,7 +102,7 @@ class Tracer:
         self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
         self._tracker.on_error = self._on_error
         if kernels is not None and hasattr(kernels, "fix_outputs"):
-            self._tracker.fix_outputs = lambda func, args, kwargs, out: kernels.fix_outputs(self, func, args, kwargs, out)
+            self._tracker.fix_outputs = partial(kernels.fix_outputs, self)
         self.failed_at: tuple[str, str] | None = None
         """``(module, op)`` of the first op that raised."""
         self._module_stack: list[str] = []
@@ -257,7 +258,7 @@ class Tracer:
                 self._param_module.setdefault(id(p), mod_names[id(mod)])
             for b in mod.buffers(recurse=False):
                 self._param_module.setdefault(id(b), mod_names[id(mod)])
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+        for tensor in model_tensors(self.model):
             sid = self._tracker.register(tensor)
             self._roles.mark(sid, Category.PARAMETERS)
             if sid is not None:

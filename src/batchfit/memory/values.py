@@ -90,7 +90,7 @@ def forget(t: Any) -> None:
 
 def adopt(fake: torch.Tensor, real: torch.Tensor) -> None:
     """Make ``real`` the value of ``fake`` (same layout, or copied into ``fake``'s layout)."""
-    if not isinstance(fake, FakeTensor) or fake.shape != real.shape:
+    if not isinstance(fake, FakeTensor) or isinstance(real, FakeTensor) or fake.shape != real.shape:
         return
     st = fake.untyped_storage()
     real_st = real.untyped_storage()
@@ -172,15 +172,23 @@ class ValueMode(TorchDispatchMode):
         self._propagate(func, args, kwargs, out)
         return out
 
-    def _real_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """``func`` on the inputs' real values, or None when one is unknown or the op fails."""
+    def _real_call(self, func: Any, args: tuple, kwargs: dict, zeros_for_floats: bool = False) -> Any:
+        """``func`` on the inputs' real values, or None when one is unknown or the op fails.
+
+        With ``zeros_for_floats``, unknown floating-point inputs are read as zeros: for an op whose
+        output *sizes* depend only on its integer inputs (``ctc_loss``'s target lengths), the sizes
+        come out right even though the values do not.
+        """
         flat, spec = tree_flatten((args, kwargs))
         real_flat = []
         for a in flat:
             if isinstance(a, torch.Tensor):
                 r = real_of(a)
                 if r is None:
-                    return None
+                    if not (zeros_for_floats and (a.is_floating_point() or a.is_complex())):
+                        return None
+                    with _disable_current_modes():
+                        r = torch.zeros(a.shape, dtype=a.dtype)
                 real_flat.append(r)
             else:
                 real_flat.append(a)
@@ -226,17 +234,23 @@ class ValueMode(TorchDispatchMode):
     def _data_dependent(self, func: Any, args: tuple, kwargs: dict) -> Any:
         result = self._real_call(func, args, kwargs)
         if result is not None:
-            return self._fake_like(result[0])
+            return self._fake_like(result[0], values=True)
+        sized = self._real_call(func, args, kwargs, zeros_for_floats=True)
+        if sized is not None and not isinstance(sized[0], (bool, int, float)):
+            return self._fake_like(sized[0], values=False)
         return self._assume(func, args, kwargs)
 
-    def _fake_like(self, real: Any) -> Any:
-        """Fakes shaped like the real outputs of a data-dependent op, with them as their values."""
+    def _fake_like(self, real: Any, values: bool) -> Any:
+        """Fakes shaped like the real outputs of a data-dependent op (with them as values if ``values``)."""
 
         def one(r: Any) -> Any:
             if not isinstance(r, torch.Tensor):
                 return r
             fake = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype)
-            adopt(fake, r)
+            if values:
+                adopt(fake, r)
+            else:
+                forget(fake)
             return fake
 
         return tree_map(one, real)

@@ -7,17 +7,15 @@ is imported inside the functions, so importing this module stays cheap and works
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import ConfigError
 from .gpt import token_loss
@@ -214,47 +212,6 @@ def available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def _safe_trunc_normal_(
-    tensor: torch.Tensor,
-    mean: float = 0.0,
-    std: float = 1.0,
-    a: float = -2.0,
-    b: float = 2.0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """``trunc_normal_`` without reading values: torch's rejection sampling loops on ``mask.any()``."""
-    with torch.no_grad():
-        return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
-
-
-@contextlib.contextmanager
-def _fake_safe_init() -> Iterator[None]:
-    """Under fake tensors, swap the data-dependent ``trunc_normal_`` (ViT's init) for a value-free one.
-
-    Both torch's function and the table transformers 5 calls through are swapped; the values of fake
-    parameters do not exist anyway. On real tensors nothing is changed.
-    """
-    if not isinstance(torch.empty(0), FakeTensor):
-        yield
-        return
-    try:
-        from transformers import initialization
-
-        table: dict[str, Any] = initialization.TORCH_INIT_FUNCTIONS
-    except (ImportError, AttributeError):  # transformers 4 calls torch.nn.init directly
-        table = {}
-    saved = (torch.nn.init.trunc_normal_, table.get("trunc_normal_"))
-    torch.nn.init.trunc_normal_ = _safe_trunc_normal_
-    if saved[1] is not None:
-        table["trunc_normal_"] = _safe_trunc_normal_
-    try:
-        yield
-    finally:
-        torch.nn.init.trunc_normal_ = saved[0]
-        if saved[1] is not None:
-            table["trunc_normal_"] = saved[1]
-
-
 def make_config(spec: HFSpec, fields: dict[str, Any]) -> Any:
     """The transformers config object for ``fields`` (shapes, dropout and fixed arguments)."""
     import transformers
@@ -274,8 +231,7 @@ def build_model(name: str, fields: dict[str, Any]) -> nn.Module:
 
     spec = SPECS[name]
     config = make_config(spec, fields)
-    with _fake_safe_init():
-        return getattr(transformers, spec.model_class)(config)
+    return getattr(transformers, spec.model_class)(config)
 
 
 def block_class(name: str) -> type[nn.Module]:

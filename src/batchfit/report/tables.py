@@ -69,7 +69,11 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     modules.add_column("share", justify="right")
     for name, value in list(est.per_module.items())[:top_modules]:
         modules.add_row(name, format_bytes(value), _pct(value, est.peak_allocated_bytes))
-    return Group(breakdown, device, modules)
+    parts: list[Any] = [breakdown, device, modules]
+    notes = getattr(est, "notes", ())
+    if notes:
+        parts.append(Text("assumed while tracing:\n" + "\n".join(f"  - {n}" for n in notes), style="yellow"))
+    return Group(*parts)
 
 
 def devices_table(devices: list[Any]) -> Table:

@@ -56,7 +56,8 @@ def _from_file(path: str, attr: str, spec: str) -> Any:
 
 
 def _function_spec(spec: str, overrides: dict[str, Any]) -> Workload:
-    from ..presets import call_workload_function, load as load_module_function
+    from ..presets import call_workload_function
+    from ..presets import load as load_module_function
 
     path, _, attr = spec.rpartition(":")
     if path.endswith(".py") or "/" in path or "\\" in path:

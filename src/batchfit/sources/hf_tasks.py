@@ -164,6 +164,19 @@ def default_length(config: Any, task: Task) -> int:
     return min(512, limit) if limit else 512
 
 
+def item_shape(config: Any, task: Task, length: int) -> str:
+    """One item in words, for names and tables: ``512 tokens``, ``3x224x224 images``."""
+    if task.modality == "image":
+        return "x".join(map(str, image_shape(config))) + " images"
+    if task.modality == "audio":
+        return f"{length} samples"
+    if task.modality == "speech":
+        return f"{length} target tokens"
+    if task.modality == "text+image":
+        return f"{min(length, max_positions(config) or length)} tokens + " + "x".join(map(str, image_shape(config)))
+    return f"{length} tokens"
+
+
 # -- batches ---------------------------------------------------------------------------------------
 def text_batch(b: int, seq_len: int, vocab: int, labels: str, num_labels: int = 2) -> dict[str, torch.Tensor]:
     """Token ids, an all-ones attention mask (a tokenizer's output, unpadded) and the task's labels."""

@@ -20,7 +20,15 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..workload import Workload
-from .hf_tasks import choose_task, default_length, make_batch_fn, max_positions, model_class_for, model_loss
+from .hf_tasks import (
+    choose_task,
+    default_length,
+    item_shape,
+    make_batch_fn,
+    max_positions,
+    model_class_for,
+    model_loss,
+)
 
 _CONFIG = "config.json"
 
@@ -174,7 +182,8 @@ def workload_from_config(
         raise ConfigError(f"--seq-len {length} is longer than the model's {limit} positions; pass --seq-len {limit}")
     batch, tokens = make_batch_fn(config, chosen, length)
     model: Any = partial(build_from_config, config, class_name)
-    label = name or getattr(config, "_name_or_path", "") or class_name
+    named = name or getattr(config, "_name_or_path", "") or class_name
+    label = f"{named} ({chosen.name}, {item_shape(config, chosen, length)})"
     blocks: tuple[type[nn.Module], ...] = ()
     if lora is not None:
         from .lora import with_adapters

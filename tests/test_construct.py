@@ -1,0 +1,131 @@
+"""Models built and stepped on fake tensors, whatever their code does: constructors that move or copy
+weights, compiled and lazy modules, value reads during the step, and failures that become one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batchfit
+from batchfit import Workload
+from batchfit.memory.measure import measure_cpu_peak
+
+
+def _classify(model: object, batch_dim: int = 16) -> Workload:
+    return Workload(
+        model=model,
+        batch=lambda b: (torch.randn(b, batch_dim), torch.randint(0, 4, (b,))),
+        loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
+    )
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread: None) -> None:
+    return None
+
+
+def test_a_factory_that_casts_and_moves_to_cuda_estimates_as_built_on_the_target() -> None:
+    def factory() -> nn.Module:
+        return _mlp().to(torch.bfloat16).cuda().to("cuda:0", dtype=torch.float32)
+
+    moved = batchfit.estimate(_classify(factory), 8, device="A100-40GB")
+    plain = batchfit.estimate(_classify(_mlp), 8, device="A100-40GB")
+    assert moved.breakdown == plain.breakdown
+
+
+def test_deep_copies_and_tied_weights_are_counted_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = copy.deepcopy(self.a)  # a copy: its own weights
+            self.c = nn.Linear(16, 16)
+            self.c.weight = self.a.weight  # a tie: one weight
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.c(self.b(self.a(x))))
+
+    est = batchfit.estimate(_classify(Tied), 8, device="cpu")
+    unique = 2 * 16 * 16 + 3 * 16 + 16 * 4 + 4  # a's and b's weights, three biases, the head
+    assert est.breakdown["parameters"] == 4 * unique
+    assert est.peak_allocated_bytes == measure_cpu_peak(_classify(Tied), 8)
+
+
+def test_a_compiled_model_is_estimated_as_eager_and_says_so() -> None:
+    compiled = batchfit.estimate(_classify(lambda: torch.compile(_mlp())), 8, device="cpu")
+    eager = batchfit.estimate(_classify(_mlp), 8, device="cpu")
+    assert compiled.peak_allocated_bytes == eager.peak_allocated_bytes
+    assert any("torch.compile" in n for n in compiled.notes)
+    assert not eager.notes
+
+
+def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
+    def half_frozen() -> nn.Module:
+        model = _mlp()
+        model[0].requires_grad_(False)
+        return model
+
+    from batchfit.devices import get_device
+    from batchfit.memory.categories import Category
+    from batchfit.memory.estimate import trace_for_device
+    from batchfit.precision import policy_for
+
+    trace = trace_for_device(_classify(half_frozen), 8, get_device("cpu"), policy_for("fp32"), ())
+    by_role: dict[Category, int] = {}
+    for sid, role in trace.role.items():
+        by_role[role] = by_role.get(role, 0) + trace.nbytes[sid]
+    trainable = 32 * 4 + 4  # the second layer only
+    assert by_role[Category.GRADIENTS] == 2 * 4 * trainable  # two steps' gradients, freed between them
+    assert by_role[Category.OPTIMIZER_STATES] == 2 * 4 * trainable + 2 * 4  # exp_avg, exp_avg_sq, 2 steps
+
+
+class _ReadsValues(nn.Module):
+    """Reads a value of its input (known to the trace) and one of its activations (not known)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        keep = int(lengths.max())  # a small input: its value is computed beside the fake
+        out = self.body(x[:, :keep].repeat(1, 16 // keep))
+        if torch.isnan(out).any():  # an activation: unknown, read as False (no NaN), and noted
+            raise FloatingPointError("nan")
+        return out
+
+
+def test_value_reads_follow_known_values_and_note_assumed_ones() -> None:
+    wl = Workload(
+        model=_ReadsValues,
+        batch=lambda b: (torch.randn(b, 16), torch.full((b,), 8), torch.randint(0, 4, (b,))),
+        loss=lambda m, batch: F.cross_entropy(m(batch[0], batch[1]), batch[2]),
+    )
+    est = batchfit.estimate(wl, 8, device="cpu")
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, 8)
+    assert len(est.notes) == 1 and "_ReadsValues" in est.notes[0] and "assumed False" in est.notes[0]
+
+
+def test_data_dependent_shapes_on_unknown_values_assume_every_element() -> None:
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(16, 1)
+            self.expert = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            chosen = self.gate(x).squeeze(1) > 0  # which rows go to the expert: unknown
+            out = torch.zeros(x.shape[0], 4)
+            return out.index_add(0, chosen.nonzero().squeeze(1), self.expert(x[chosen]))
+
+    est = batchfit.estimate(_classify(Router), 64, device="cpu")
+    assert any("all 64 elements nonzero" in n for n in est.notes)
+    assert any("boolean mask of 64 selected" in n for n in est.notes)
