@@ -83,7 +83,7 @@ from batchfit import Workload, presets
 from batchfit.devices import Device, get_device
 from batchfit.memory.allocator import replay
 from batchfit.memory.trace import trace_workload
-from batchfit.models import hf
+from batchfit.models import hf_data
 from batchfit.units import MiB
 
 HF_CONTEXT_MIB = 1343
@@ -312,7 +312,7 @@ def register_legacy_attention() -> None:
 
 # -- workloads and estimates ---------------------------------------------------------------------
 def _scaled_loss(model: nn.Module, batch: Any, scale: float) -> torch.Tensor:
-    return hf.text_cls_loss(model, batch) * scale  # GradScaler.scale(loss): what backward starts from
+    return hf_data.text_cls_loss(model, batch) * scale  # GradScaler.scale(loss): what backward starts from
 
 
 def hf_trainer_workload(

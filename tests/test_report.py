@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 
 import batchfit
 from batchfit import presets
+from batchfit.cli.report import report
 from batchfit.memory.categories import ORDER
 from batchfit.plan import PlanOption
 from batchfit.report.figures import _downsample, memory_timeline
 from batchfit.report.html import Report, build_report, render_html, write_report
-from batchfit.report_cli import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")

@@ -11,8 +11,8 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from batchfit.cli.train import train
 from batchfit.errors import ConfigError, UnknownNameError
-from batchfit.train_cli import train
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command()(train)  # as the package's cli.py registers it

@@ -17,18 +17,16 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, UnknownNameError
 from .models import hf
-from .models.cnn import BasicBlock, ResNet, image_batch, image_item
-from .models.gpt import GPT, Block, GPTConfig, gpt_loss, token_batch, token_item
-from .models.mlp import MLP, MLPBlock, mlp_batch, mlp_item
-from .workload import Workload
+
+if TYPE_CHECKING:  # the presets' models import torch when a preset is built, not when listed
+    import torch
+    from torch import nn
+
+    from .workload import Workload
 
 Knobs = dict[str, tuple[type, Any]]
 """Name -> (type, default) of the overrides a preset accepts."""
@@ -54,6 +52,8 @@ def per_item(
     Item ``i`` therefore depends only on ``(item_ids[i], seed)``: the same items reach the model whatever
     the micro-batch split or the number of workers. Real tensors only (reads the ids).
     """
+    import torch
+
     ids = torch.as_tensor(item_ids).reshape(-1).tolist()
     if not ids:
         return tuple(t[None][:0] for t in make(torch.Generator().manual_seed(0)))
@@ -63,6 +63,8 @@ def per_item(
 
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean cross-entropy over the items of ``(inputs, labels)``."""
+    import torch.nn.functional as F
+
     x, y = batch
     return F.cross_entropy(model(x), y)
 
@@ -73,6 +75,8 @@ def make_optimizer(name: str, lr: float | None = None) -> Callable[..., torch.op
     Raises:
         UnknownNameError: another optimizer name.
     """
+    import torch
+
     if name not in _DEFAULT_LR:
         raise UnknownNameError("optimizer", name, list(_DEFAULT_LR))
     lr = _DEFAULT_LR[name] if lr is None else float(lr)
@@ -151,6 +155,8 @@ def _assemble(
     tokens: int | None = None,
 ) -> Workload:
     """A Workload whose tracing batches and synthetic items take the same shape arguments ``data``."""
+    from .workload import Workload
+
     return Workload(
         model=model,
         batch=partial(batch_fn, **data),
@@ -165,6 +171,8 @@ def _assemble(
 
 
 def _mlp(overrides: Mapping[str, Any]) -> Workload:
+    from .models.mlp import MLP, MLPBlock, mlp_batch, mlp_item
+
     knobs: Knobs = {"in_features": (int, 32), "hidden": (int, 64), "depth": (int, 3), "classes": (int, 10)}
     cfg = _resolve("mlp", {**knobs, "dropout": (float, 0.0), **_COMMON}, overrides)
     model = partial(MLP, *(cfg[k] for k in ("in_features", "hidden", "depth", "classes", "dropout")))
@@ -173,6 +181,8 @@ def _mlp(overrides: Mapping[str, Any]) -> Workload:
 
 
 def _cnn(overrides: Mapping[str, Any]) -> Workload:
+    from .models.cnn import BasicBlock, ResNet, image_batch, image_item
+
     knobs: Knobs = {"image_size": (int, 32), "channels": (int, 3), "width": (int, 16), "stages": (int, 3)}
     knobs.update({"blocks": (int, 2), "classes": (int, 10), "dropout": (float, 0.0)})
     cfg = _resolve("cnn", {**knobs, **_COMMON}, overrides)
@@ -183,6 +193,8 @@ def _cnn(overrides: Mapping[str, Any]) -> Workload:
 
 
 def _gpt(overrides: Mapping[str, Any]) -> Workload:
+    from .models.gpt import GPT, Block, GPTConfig, gpt_loss, token_batch, token_item
+
     knobs: Knobs = {"n_layer": (int, 12), "n_head": (int, 12), "n_embd": (int, 768), "seq_len": (int, 1024)}
     knobs.update({"vocab_size": (int, 50257), "block_size": (int, None), "dropout": (float, 0.0)})
     knobs.update({"bias": (bool, True), "pad": (bool, False)})
@@ -200,6 +212,10 @@ def _gpt(overrides: Mapping[str, Any]) -> Workload:
 
 
 def _hf_workload(name: str, overrides: Mapping[str, Any]) -> Workload:
+    from .models import hf_data
+    from .models.cnn import image_batch, image_item
+    from .models.gpt import token_batch, token_item
+
     if not hf.available():
         raise ConfigError(f"preset {name!r} needs transformers; install batchfit[hf]")
     cfg = _resolve(name, {**hf.knobs(name), **_COMMON}, overrides)
@@ -209,14 +225,14 @@ def _hf_workload(name: str, overrides: Mapping[str, Any]) -> Workload:
     if kind == "causal-lm":
         data = dict(seq_len=cfg["seq_len"], vocab_size=cfg["vocab_size"])
         extra = {"pad": cfg["pad"]}
-        loss = hf.causal_lm_loss
+        loss = hf_data.causal_lm_loss
         return _assemble(name, cfg, model, loss, blocks, token_batch, token_item, data, extra, cfg["seq_len"])
     if kind == "text-cls":
         data = dict(seq_len=cfg["seq_len"], vocab_size=cfg["vocab_size"], num_labels=cfg["num_labels"])
-        batch_fn, item_fn, loss = hf.text_cls_batch, hf.text_cls_item, hf.text_cls_loss
+        batch_fn, item_fn, loss = hf_data.text_cls_batch, hf_data.text_cls_item, hf_data.text_cls_loss
         return _assemble(name, cfg, model, loss, blocks, batch_fn, item_fn, data, None, cfg["seq_len"])
     data = dict(channels=cfg["num_channels"], image_size=cfg["image_size"], classes=cfg["num_labels"])
-    return _assemble(name, cfg, model, hf.image_cls_loss, blocks, image_batch, image_item, data)
+    return _assemble(name, cfg, model, hf_data.image_cls_loss, blocks, image_batch, image_item, data)
 
 
 _OWN: dict[str, tuple[str, Callable[[Mapping[str, Any]], Workload]]] = {
@@ -301,6 +317,8 @@ def call_workload_function(target: Any, spec: str, overrides: Mapping[str, Any])
     Raises:
         ConfigError: not callable, arguments it does not take, it raised, or it returned something else.
     """
+    from .workload import Workload
+
     if isinstance(target, Workload):
         if overrides:
             raise ConfigError(f"{spec!r} is a Workload, not a function: it takes no overrides")

@@ -159,6 +159,26 @@ def eager_compiled_regions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def buildable_under_fake_mode() -> Iterator[None]:
+    """Let a model be built under a fake mode batchfit did not set up (a caller's ``FakeTensorMode``).
+
+    Inside batchfit's own session (``fake_session``) this does nothing; under a bare fake mode it adds
+    what the session gives construction: value reads answered (``ValueMode``) and fake-safe ``.to()``.
+    On real tensors it does nothing either.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from .values import ValueMode
+
+    stack = _get_current_dispatch_mode_stack()
+    if not isinstance(torch.empty(0), FakeTensor) or any(isinstance(m, ValueMode) for m in stack):
+        yield
+        return
+    with ValueMode(), fake_construction():
+        yield
+
+
+@contextlib.contextmanager
 def fake_session() -> Iterator[Any]:
     """Fake tensors with value shadows, library compatibility and eager compiled regions; yields the
     ``ValueMode`` (whose notes say what the trace had to assume)."""

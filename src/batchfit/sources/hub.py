@@ -142,7 +142,10 @@ def build_from_config(config: Any, class_name: str) -> nn.Module:
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise ConfigError(f"transformers {transformers.__version__} has no class {class_name}; upgrade transformers")
-    return cls(config)
+    from ..memory.construct import buildable_under_fake_mode
+
+    with buildable_under_fake_mode():
+        return cls(config)
 
 
 def workload_from_config(

@@ -6,16 +6,35 @@ Bad input ends with one line ``batchfit: error: ...`` naming the fix, and exit c
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from .errors import BatchfitError, ConfigError
-from .report_cli import BaseBatchSizeOpt, BaseLrOpt, LrRule, LrRuleOpt, report
-from .train_cli import train
+from ..errors import BatchfitError, ConfigError
+from . import options as opts
+from .options import (
+    AccumulationOpt,
+    BaseBatchSizeOpt,
+    BaseLrOpt,
+    CheckpointingOpt,
+    ContextOpt,
+    DeviceOpt,
+    JsonOpt,
+    LoraOpt,
+    LoraTargetsOpt,
+    LrRule,
+    LrRuleOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    PresetArg,
+    SeqLenOpt,
+    SetOpt,
+    TaskOpt,
+)
+from .report import report
+from .train import train
 
 # typer raises its click's exceptions (vendored from typer 0.29 on); find the classes through it.
 _USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
@@ -28,114 +47,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-PresetArg = Annotated[
-    str,
-    typer.Argument(
-        help="A preset (see `batchfit presets`), a Hugging Face hub id, a model directory or config.json, "
-        "or path/to/file.py:function / module.path:function returning a Workload."
-    ),
-]
-TaskOpt = Annotated[
-    str | None,
-    typer.Option("--task", help="Training task of a hub model (default: from its config), e.g. causal-lm."),
-]
-LoraOpt = Annotated[
-    str | None,
-    typer.Option("--lora", help="Fine-tune LoRA adapters only: r=16,alpha=32,targets=q_proj+v_proj (method=ia3 too)."),
-]
-LoraTargetsOpt = Annotated[
-    str | None, typer.Option("--lora-targets", help="Modules to adapt: all-linear, or names joined by +.")
-]
-DeviceOpt = Annotated[
-    str, typer.Option("--device", "-d", help="A catalog GPU (see `batchfit gpus`), a capacity like 24GiB, or cpu.")
-]
-PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, bf16, fp16 or bf16-true.")]
-SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (language-model presets).")]
-OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="adamw, adam or sgd (presets).")]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set n_layer=4.")
-]
-CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing of blocks.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
-AccumulationOpt = Annotated[
-    int,
-    typer.Option(
-        "--accumulation-steps",
-        help="Micro-batches per optimizer step: above 1, earlier gradients stay alive through later micro-batches.",
-    ),
-]
-ContextOpt = Annotated[
-    float | None, typer.Option("--context-mib", help="Override the device's CUDA context size (MiB).")
-]
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    return Console()
-
-
-def _console_err() -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-def _parse_value(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    return text
-
-
-def _overrides(seq_len: int | None, optimizer: str | None, sets: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in sets or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set takes KEY=VALUE, got {item!r}; e.g. --set n_layer=4")
-        out[key.strip()] = _parse_value(value.strip())
-    if seq_len is not None:
-        out["seq_len"] = seq_len
-    if optimizer is not None:
-        out["optimizer"] = optimizer
-    return out
-
-
-def _workload(
-    preset: str,
-    seq_len: int | None,
-    optimizer: str | None,
-    sets: list[str] | None,
-    task: str | None = None,
-    lora: str | None = None,
-    lora_targets: str | None = None,
-) -> Any:
-    from .sources import load, parse_lora
-
-    adapters = None
-    if lora is not None or lora_targets is not None:
-        adapters = parse_lora(lora or "", targets=lora_targets)
-    return load(preset, task=task, lora=adapters, **_overrides(seq_len, optimizer, sets))
-
-
-def _device(name: str, context_mib: float | None) -> Any:
-    from .devices import get_device
-
-    dev = get_device(name)
-    if context_mib is not None:
-        dev = dev.with_overrides(context_bytes=int(context_mib * 2**20))
-    return dev
-
-
-def _emit_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, default=str) + "\n")
-
 
 @app.command()
 def estimate(
@@ -158,13 +69,13 @@ def estimate(
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
-    from .memory.estimate import check_batch_size
-    from .memory.estimate import estimate as run_estimate
+    from ..memory.estimate import check_batch_size
+    from ..memory.estimate import estimate as run_estimate
 
     check_batch_size(batch_size, "--batch-size")
     check_batch_size(accumulation_steps, "--accumulation-steps")
-    dev = _device(device, context_mib)
-    wl = _workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
+    dev = opts.device(device, context_mib)
+    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
     est = run_estimate(
         wl,
         batch_size,
@@ -175,11 +86,11 @@ def estimate(
         accumulation_steps=accumulation_steps,
     )
     if as_json:
-        _emit_json(est.to_dict())
+        opts.emit_json(est.to_dict())
         return
-    from .report.tables import estimate_table
+    from ..report.tables import estimate_table
 
-    _console().print(estimate_table(est))
+    opts.console().print(estimate_table(est))
 
 
 @app.command()
@@ -187,25 +98,25 @@ def gpus(as_json: JsonOpt = False) -> None:
     """List the GPU catalog."""
     from dataclasses import asdict
 
-    from .devices import catalog
+    from ..devices import catalog
 
     devices = catalog()
     if as_json:
-        _emit_json({"devices": [asdict(d) for d in devices]})
+        opts.emit_json({"devices": [asdict(d) for d in devices]})
         return
-    from .report.tables import devices_table
+    from ..report.tables import devices_table
 
-    _console().print(devices_table(devices))
+    opts.console().print(devices_table(devices))
 
 
 @app.command()
 def presets(as_json: JsonOpt = False) -> None:
     """List the built-in workloads."""
-    from .presets import describe
+    from ..presets import describe
 
     rows = describe()
     if as_json:
-        _emit_json({"presets": [{"name": n, "description": d} for n, d in rows]})
+        opts.emit_json({"presets": [{"name": n, "description": d} for n, d in rows]})
         return
     from rich.table import Table
 
@@ -214,7 +125,7 @@ def presets(as_json: JsonOpt = False) -> None:
     table.add_column("description")
     for name, text in rows:
         table.add_row(name, text)
-    _console().print(table)
+    opts.console().print(table)
 
 
 @app.command(name="fit")
@@ -235,25 +146,25 @@ def fit_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
-    from .fit import fit
-    from .memory.estimate import check_batch_size
+    from ..fit import fit
+    from ..memory.estimate import check_batch_size
 
     check_batch_size(accumulation_steps, "--accumulation-steps")
 
     result = fit(
-        _workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
-        _device(device, context_mib),
+        opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
+        opts.device(device, context_mib),
         precision=precision,
         checkpointing="blocks" if checkpointing else None,
         margin=margin,
         accumulation_steps=accumulation_steps,
     )
     if as_json:
-        _emit_json(result.to_dict())
+        opts.emit_json(result.to_dict())
         return
-    from .report.tables import fit_table
+    from ..report.tables import fit_table
 
-    _console().print(fit_table(result))
+    opts.console().print(fit_table(result))
 
 
 @app.command(name="plan")
@@ -283,12 +194,12 @@ def plan_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
-    from .plan import plan
+    from ..plan import plan
 
     result = plan(
-        _workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
+        opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
         global_batch_size,
-        device=_device(device, context_mib),
+        device=opts.device(device, context_mib),
         gpus=gpus,
         precision=precision,
         checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
@@ -298,11 +209,11 @@ def plan_command(
         lr_rule=lr_rule.value,
     )
     if as_json:
-        _emit_json(result.to_dict())
+        opts.emit_json(result.to_dict())
         return
-    from .report.tables import plan_table
+    from ..report.tables import plan_table
 
-    _console().print(plan_table(result))
+    opts.console().print(plan_table(result))
 
 
 @app.command(name="sweep")
@@ -320,7 +231,7 @@ def sweep_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure real steps: throughput and peak memory by batch size, and the knee of the curve."""
-    from .sweep import sweep
+    from ..sweep import sweep
 
     sizes = None
     if batch_sizes:
@@ -328,13 +239,13 @@ def sweep_command(
             sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
         except ValueError:
             raise ConfigError(f"--batch-sizes takes whole numbers separated by commas, got {batch_sizes!r}") from None
-    wl = _workload(preset, seq_len, optimizer, set_)
+    wl = opts.workload(preset, seq_len, optimizer, set_)
     if as_json or not sys.stderr.isatty():
         result = sweep(wl, device=device, batch_sizes=sizes, steps=steps)
     else:
         from rich.progress import Progress
 
-        with Progress(console=_console_err(), transient=True) as bar:
+        with Progress(console=opts.console_err(), transient=True) as bar:
             task = bar.add_task("sweeping", total=None)
 
             def progress(i: int, total: int, b: int) -> None:
@@ -343,15 +254,15 @@ def sweep_command(
             result = sweep(wl, device=device, batch_sizes=sizes, steps=steps, progress=progress)
     out = {}
     if plot:
-        from .report.plots import plot_sweep
+        from ..report.plots import plot_sweep
 
         out["plot"] = str(plot_sweep(result, plot))
     if as_json:
-        _emit_json({**result.to_dict(), **out})
+        opts.emit_json({**result.to_dict(), **out})
         return
-    from .report.tables import sweep_table
+    from ..report.tables import sweep_table
 
-    console = _console()
+    console = opts.console()
     console.print(sweep_table(result))
     if plot:
         console.print(f"plot written to {out['plot']}")
@@ -364,12 +275,12 @@ app.command()(train)
 @app.command()
 def demo() -> None:
     """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
-    from .memory.estimate import estimate as run_estimate
-    from .plan import plan
-    from .presets import get
-    from .report.tables import estimate_table, plan_table
+    from ..memory.estimate import estimate as run_estimate
+    from ..plan import plan
+    from ..presets import get
+    from ..report.tables import estimate_table, plan_table
 
-    console = _console()
+    console = opts.console()
     wl = get("gpt", seq_len=1024)
     console.rule("[bold]1. estimate: GPT-2 small (124M), seq 1024, batch 8, AdamW fp32, on a V100-16GB")
     est = run_estimate(wl, 8, device="V100-16GB", precision="fp32")
@@ -379,7 +290,7 @@ def demo() -> None:
     console.rule("[bold]3. train: a global batch of 8192 planned on a simulated 48 MiB GPU (runs on the CPU)")
     console.print("batchfit train mlp --global-batch-size 8192 --set hidden=512 --device simulated:48MiB --steps 3")
     train("mlp", global_batch_size=8192, set_=["hidden=512"], device="simulated:48MiB", steps=3)
-    from .report_cli import demo_report
+    from .report import demo_report
 
     console.rule("[bold]4. report: memory by batch size and over one step, as one HTML file")
     demo_report(console)

@@ -28,11 +28,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
 
-from .errors import ConfigError
-from .memory.steps import default_dtype
+from ..errors import ConfigError
 
 
 class DType(str, Enum):
@@ -70,8 +68,10 @@ def _overrides(sets: list[str] | None) -> dict[str, Any]:
 
 def _device(text: str, precision: str) -> tuple[Any, Any]:
     """``(device for the Trainer, SimulatedDevice or None)`` from ``--device``."""
-    from .precision import policy_for
-    from .simulated import SimulatedDevice
+    import torch
+
+    from ..precision import policy_for
+    from ..simulated import SimulatedDevice
 
     spec = text.strip()
     if spec.lower() == "cpu" or spec.lower().split(":")[0] == "cuda":
@@ -90,6 +90,8 @@ def _device(text: str, precision: str) -> tuple[Any, Any]:
 
 def _save(state: dict[str, Any], path: Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, then an atomic rename over it."""
+    import torch
+
     parent = path.resolve().parent
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -113,6 +115,8 @@ def _split_text(sizes: tuple[int, ...]) -> str:
 
 def _peak_reader(sim: Any, device: Any) -> Callable[[], int | None]:
     """A function returning the device's peak reserved bytes since the previous call (None on the CPU)."""
+    import torch
+
     if sim is not None:
 
         def simulated() -> int:
@@ -171,13 +175,16 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every step's result.")] = False,
 ) -> None:
     """Train a preset on deterministic synthetic data: global batch = micro-batch x accumulation, exactly."""
-    from .advice.batchnorm import BatchNormWarning, batchnorm_advice
-    from .batching import rank_shares
-    from .presets import load
-    from .train.checkpoint import load_checkpoint, model_and_optimizer_states
-    from .train.distributed import shutdown
-    from .train.trainer import Trainer
-    from .workload import trainable_parameters
+    import torch
+
+    from ..advice.batchnorm import BatchNormWarning, batchnorm_advice
+    from ..batching import rank_shares
+    from ..memory.steps import default_dtype
+    from ..sources import load
+    from ..train.checkpoint import load_checkpoint, model_and_optimizer_states
+    from ..train.distributed import shutdown
+    from ..train.trainer import Trainer
+    from ..workload import trainable_parameters
 
     _positive(global_batch_size, "--global-batch-size")
     _positive(steps, "--steps")
@@ -187,7 +194,7 @@ def train(
     model_dtype = torch.float64 if DType(dtype) is DType.float64 else torch.float32
     if model_dtype is torch.float64 and precision.lower() != "fp32":
         raise ConfigError("--dtype float64 is for exactness checks in full precision; use it with --precision fp32")
-    from .train.checkpoint import read_checkpoint
+    from ..train.checkpoint import read_checkpoint
 
     resume = read_checkpoint(checkpoint) if checkpoint is not None and checkpoint.exists() else None
     workload = load(preset, **_overrides(set_))
@@ -323,7 +330,7 @@ class _Progress:
         self._task = self._bar.add_task("train", total=steps, status="")
 
     def advance(self, loss: float, split: str, row: dict[str, Any]) -> None:
-        from .units import format_bytes
+        from ..units import format_bytes
 
         memory = "" if row["peak_reserved_bytes"] is None else f"  peak {format_bytes(row['peak_reserved_bytes'])}"
         status = f"loss {loss:.4f}  micro x accum {split}  {row['items_per_s']:,.0f} items/s{memory}"
@@ -355,7 +362,7 @@ def _print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .units import format_bytes
+    from ..units import format_bytes
 
     rows = summary["steps"]
     first = rows[0]
@@ -395,7 +402,9 @@ def _print_table(summary: dict[str, Any]) -> None:
 
 def _join_process_group(device: str, global_batch_size: int) -> Any:
     """Under torchrun, join the process group (gloo on CPU and simulated GPUs, NCCL on CUDA)."""
-    from .train.distributed import init_distributed, launched_by_torchrun
+    import torch
+
+    from ..train.distributed import init_distributed, launched_by_torchrun
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if world > global_batch_size:
@@ -404,13 +413,13 @@ def _join_process_group(device: str, global_batch_size: int) -> Any:
             f"use --global-batch-size >= {world} or fewer processes"
         )
     if world == 1:  # a single process: nothing to join (the device is checked where it is used)
-        from .train.distributed import Place
+        from ..train.distributed import Place
 
         return Place(0, 1, 0, torch.device("cpu"), None)
     return init_distributed("cuda" if device.startswith("cuda") else "cpu")
 
 
-def _gathered_ids(ids: torch.Tensor, place: Any) -> list[int]:
+def _gathered_ids(ids: Any, place: Any) -> list[int]:
     """Every rank's item ids of one step, in rank order (the item accounting a checkpoint keeps)."""
     mine = ids.tolist()
     if not place.distributed:
@@ -435,8 +444,8 @@ def _checkpoint(
 ) -> None:
     """Rank 0 writes the checkpoint of a finished step (every rank joins: FSDP gathers the states whole);
     every rank waits for the file (no step runs ahead)."""
-    from .train.checkpoint import save_checkpoint
-    from .train.distributed import barrier
+    from ..train.checkpoint import save_checkpoint
+    from ..train.distributed import barrier
 
     save_checkpoint(
         path,
@@ -451,7 +460,7 @@ def _checkpoint(
 
 def _check_resume(payload: dict[str, Any], preset: str, global_batch_size: int, seed: int) -> None:
     """Refuse to continue a run with other data: same preset, seed and global batch, or nothing."""
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     extra, plan = payload.get("extra", {}), payload.get("plan") or {}
     saved = (extra.get("preset"), extra.get("seed"), plan.get("global_batch_size"))

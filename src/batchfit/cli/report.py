@@ -9,32 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from .errors import ConfigError
-
-
-class LrRule(str, Enum):
-    """How ``--base-lr`` is scaled to the planned global batch."""
-
-    auto = "auto"
-    linear = "linear"
-    sqrt = "sqrt"
-
-
-BaseLrOpt = Annotated[
-    float | None, typer.Option("--base-lr", help="A learning rate known to work at --base-batch-size.")
-]
-BaseBatchSizeOpt = Annotated[
-    int | None, typer.Option("--base-batch-size", help="The global batch --base-lr was tuned at.")
-]
-LrRuleOpt = Annotated[
-    LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
-]
+from ..errors import ConfigError
+from .options import BaseBatchSizeOpt, BaseLrOpt, LrRule, LrRuleOpt
 
 
 def _sizes(text: str) -> list[int]:
@@ -92,7 +73,8 @@ def report(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Write an HTML report: the plan, memory by batch size, one step's memory timeline, optional throughput."""
-    from .cli import _device, _workload
+    from .options import device as _device
+    from .options import workload as _workload
 
     wl = _workload(preset, seq_len, optimizer, set_)
     dev = _device(device, context_mib)
@@ -130,8 +112,8 @@ def _write(
     wl: Any, dev: Any, output: str | Path, *, png_dir: Any, snapshot: Any, quiet: bool, **options: Any
 ) -> dict[str, Any]:
     """Build and write the report (and PNGs, snapshot); returns what was written, for text or JSON."""
-    from .memory.snapshot import write_snapshot
-    from .report.html import build_report, write_report
+    from ..memory.snapshot import write_snapshot
+    from ..report.html import build_report, write_report
 
     if quiet or not sys.stderr.isatty():
         built = build_report(wl, device=dev, **options)
@@ -160,8 +142,8 @@ def demo_report(console: Any, path: str | Path = "batchfit-report.html") -> Path
 
     Prints the report's path on ``console`` and returns it.
     """
-    from .presets import get
-    from .report.html import build_report, write_report
+    from ..presets import get
+    from ..report.html import build_report, write_report
 
     with console.status("writing the report") as status:
         built = build_report(

@@ -1,0 +1,142 @@
+"""What the commands share: option types, the workload and device a command names, output helpers.
+
+Imported by every command module and by none of the library: no command module imports another
+(``main`` registers them), and nothing here imports torch, so ``batchfit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+
+from ..errors import ConfigError
+
+PresetArg = Annotated[
+    str,
+    typer.Argument(
+        help="A preset (see `batchfit presets`), a Hugging Face hub id, a model directory or config.json, "
+        "or path/to/file.py:function / module.path:function returning a Workload."
+    ),
+]
+TaskOpt = Annotated[
+    str | None,
+    typer.Option("--task", help="Training task of a hub model (default: from its config), e.g. causal-lm."),
+]
+LoraOpt = Annotated[
+    str | None,
+    typer.Option("--lora", help="Fine-tune LoRA adapters only: r=16,alpha=32,targets=q_proj+v_proj (method=ia3 too)."),
+]
+LoraTargetsOpt = Annotated[
+    str | None, typer.Option("--lora-targets", help="Modules to adapt: all-linear, or names joined by +.")
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", "-d", help="A catalog GPU (see `batchfit gpus`), a capacity like 24GiB, or cpu.")
+]
+PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, bf16, fp16 or bf16-true.")]
+SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (language-model presets).")]
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="adamw, adam or sgd (presets).")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set n_layer=4.")
+]
+CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing of blocks.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+AccumulationOpt = Annotated[
+    int,
+    typer.Option(
+        "--accumulation-steps",
+        help="Micro-batches per optimizer step: above 1, earlier gradients stay alive through later micro-batches.",
+    ),
+]
+ContextOpt = Annotated[
+    float | None, typer.Option("--context-mib", help="Override the device's CUDA context size (MiB).")
+]
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def console_err() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def overrides(seq_len: int | None, optimizer: str | None, sets: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in sets or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set takes KEY=VALUE, got {item!r}; e.g. --set n_layer=4")
+        out[key.strip()] = parse_value(value.strip())
+    if seq_len is not None:
+        out["seq_len"] = seq_len
+    if optimizer is not None:
+        out["optimizer"] = optimizer
+    return out
+
+
+def workload(
+    preset: str,
+    seq_len: int | None,
+    optimizer: str | None,
+    sets: list[str] | None,
+    task: str | None = None,
+    lora: str | None = None,
+    lora_targets: str | None = None,
+) -> Any:
+    from ..sources import load, parse_lora
+
+    adapters = None
+    if lora is not None or lora_targets is not None:
+        adapters = parse_lora(lora or "", targets=lora_targets)
+    return load(preset, task=task, lora=adapters, **overrides(seq_len, optimizer, sets))
+
+
+def device(name: str, context_mib: float | None) -> Any:
+    from ..devices import get_device
+
+    dev = get_device(name)
+    if context_mib is not None:
+        dev = dev.with_overrides(context_bytes=int(context_mib * 2**20))
+    return dev
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+
+
+class LrRule(str, Enum):
+    """How ``--base-lr`` is scaled to the planned global batch."""
+
+    auto = "auto"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+BaseLrOpt = Annotated[
+    float | None, typer.Option("--base-lr", help="A learning rate known to work at --base-batch-size.")
+]
+BaseBatchSizeOpt = Annotated[
+    int | None, typer.Option("--base-batch-size", help="The global batch --base-lr was tuned at.")
+]
+LrRuleOpt = Annotated[
+    LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
+]
