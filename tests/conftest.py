@@ -15,3 +15,27 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The trace cache on disk lives in this session's temporary directory, never the user's."""
+    import os
+
+    saved = os.environ.get("BATCHFIT_CACHE_DIR")
+    os.environ["BATCHFIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("trace-cache"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("BATCHFIT_CACHE_DIR", None)
+        else:
+            os.environ["BATCHFIT_CACHE_DIR"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _fresh_trace_cache() -> None:
+    """Each test starts with nothing cached in memory (the disk cache is per session, see above)."""
+    from batchfit.cache import CACHE
+
+    CACHE.clear_memory()

@@ -20,7 +20,7 @@ from batchfit.devices import Device
 from batchfit.fit import fit
 from batchfit.memory.sharding import unit_of
 from batchfit.models import hf
-from batchfit.plan import describe_split, fit_estimate_at, plan
+from batchfit.plan import _ladder, describe_split, fit_estimate_at, plan
 from batchfit.train.fsdp import fsdp_units
 
 MLP = presets.get("mlp")
@@ -119,11 +119,12 @@ def test_plan_of_the_docstring_example() -> None:
 def test_plan_splits_by_the_fitted_maximum(workload, global_batch_size: int, gpus: int) -> None:
     """The precision is pinned: this is about splitting, the ladder has its own tests below."""
     device = "1GiB"
-    p = plan(workload, global_batch_size, device=device, gpus=gpus, precision="fp32")
+    p = plan(workload, global_batch_size, device=device, gpus=gpus, precision="fp32", checkpointing=False)
     fitted = fit(workload, device)
+    share = rank_shares(global_batch_size, gpus)[0]
     assert (p.precision, p.checkpointing, p.sharded) == ("fp32", False, False)
-    assert p.max_micro_batch_size == fitted.max_batch_size
-    assert p.splits == make_splits(global_batch_size, gpus, fitted.max_batch_size)
+    assert p.max_micro_batch_size == min(fitted.max_batch_size, share)  # no search beyond a rank's share
+    assert p.splits == make_splits(global_batch_size, gpus, p.max_micro_batch_size)
     assert p.micro_batch_size == max(max(s) for s in p.splits) <= fitted.max_batch_size
     assert p.accumulation_steps == max(len(s) for s in p.splits)
     assert p.items_per_step == global_batch_size
@@ -136,9 +137,10 @@ def test_plan_splits_by_the_fitted_maximum(workload, global_batch_size: int, gpu
 
 
 def test_plan_to_dict_is_json_with_the_documented_fields() -> None:
-    # bf16-true on two GPUs: the ladder keeps its two bf16-true rungs, so there is an alternative to show.
+    # bf16-true on two GPUs: four configurations keep that precision, so there are alternatives to show.
     p = plan(GPT, 5_000, device="1GiB", gpus=2, precision="bf16-true")
-    assert (p.precision, p.checkpointing, p.sharded) == ("bf16-true", True, False)
+    assert (p.precision, p.checkpointing, p.sharded) == ("bf16-true", False, False)
+    assert p.changes_numerics
     d = json.loads(json.dumps(p.to_dict()))
     for name in (
         "micro_batch_size",
@@ -150,26 +152,46 @@ def test_plan_to_dict_is_json_with_the_documented_fields() -> None:
         "estimate",
         "headroom_bytes",
         "alternatives",
+        "predicted_step_s",
+        "interconnect",
     ):
         assert name in d, name
     assert d["splits"] == p.splits
     assert d["micro_batch_size"] == p.micro_batch_size
     assert d["estimate"]["device_total_bytes"] == p.estimate.device_total_bytes
-    assert [(a["precision"], a["sharded"]) for a in d["alternatives"]] == [("bf16-true", True)]
-    assert d["alternatives"][0]["max_micro_batch_size"] >= p.max_micro_batch_size  # sharding frees memory
+    alternatives = {(a["checkpointing"], a["sharded"]) for a in d["alternatives"]}
+    assert alternatives == {(False, True), (True, False), (True, True)}
+    assert all(a["precision"] == "bf16-true" and a["changes_numerics"] for a in d["alternatives"])
+    times = [a["predicted_step_s"] for a in d["alternatives"]]
+    assert times == sorted(times) and all(t > 0 for t in times)
 
 
 # -- the remedies ladder --------------------------------------------------------------------------------
-# (precision, checkpointing, sharded) in the order the ladder must try them, on two GPUs.
-BF16_LADDER = [
-    ("fp32", False, False),
-    ("bf16", False, False),
-    ("bf16", True, False),
-    ("bf16-true", True, False),
-    ("bf16-true", True, True),
-]
-# Without native bf16 (T4, V100): fp16 autocast, and no bf16 weights to fall back on.
-FP16_LADDER = [("fp32", False, False), ("fp16", False, False), ("fp16", True, False), ("fp16", True, True)]
+def _order(device: str, gpus: int, has_blocks: bool = True) -> list[tuple[str, bool, bool]]:
+    return [(c.precision, c.checkpointing is not None, c.sharded)
+            for c in _ladder(get_device(device), gpus, None, None, has_blocks)]  # fmt: skip
+
+
+def test_the_ladder_tries_remedies_cheapest_first() -> None:
+    """Accumulation, then mixed precision, sharding, checkpointing, and bf16 weights last."""
+    assert _order("A100-40GB", 2) == [
+        ("fp32", False, False),
+        ("bf16", False, False),
+        ("fp32", False, True),
+        ("bf16", False, True),
+        ("fp32", True, False),
+        ("bf16", True, False),
+        ("fp32", True, True),
+        ("bf16", True, True),
+        ("bf16-true", False, False),
+        ("bf16-true", False, True),
+        ("bf16-true", True, False),
+        ("bf16-true", True, True),
+    ]
+    # Without native bf16 (T4, V100): fp16 autocast, and no bf16 weights to fall back on; one GPU: no FSDP.
+    assert _order("T4", 1) == [("fp32", False, False), ("fp16", False, False), ("fp32", True, False),
+                               ("fp16", True, False)]  # fmt: skip
+    assert _order("T4", 1, has_blocks=False) == [("fp32", False, False), ("fp16", False, False)]
 
 
 def one_item_bytes(device: Device, rung: tuple[str, bool, bool], gpus: int) -> int:
@@ -178,56 +200,53 @@ def one_item_bytes(device: Device, rung: tuple[str, bool, bool], gpus: int) -> i
     With accumulation: every plan below has more items per GPU than fit in one micro-batch.
     """
     precision, checkpointing, sharded = rung
-    if sharded:
-        wl = dataclasses.replace(LONG_GPT, accumulation_steps=2)
-        return fit_estimate_at(wl, device, precision, "blocks", True, gpus, 1).device_total_bytes
+    wl = dataclasses.replace(LONG_GPT, accumulation_steps=2)
     ck = "blocks" if checkpointing else None
-    return estimate(
-        LONG_GPT, 1, device=device, precision=precision, checkpointing=ck, accumulation_steps=2
-    ).device_total_bytes
+    return fit_estimate_at(wl, device, precision, ck, sharded, gpus, 1).device_total_bytes
 
 
 @pytest.fixture(scope="module")
-def bf16_needs() -> list[int]:
-    needs = [one_item_bytes(get_device("1GiB"), rung, 2) for rung in BF16_LADDER]
-    # Each remedy must save memory on this workload, or the capacities below cannot tell the rungs apart.
-    assert needs == sorted(needs, reverse=True) and len(set(needs)) == len(needs), needs
-    return needs
+def needs() -> dict[tuple[str, bool, bool], int]:
+    device = get_device("1GiB")
+    return {rung: one_item_bytes(device, rung, 2) for rung in _order("1GiB", 2)}
 
 
-@pytest.mark.parametrize("rung", range(len(BF16_LADDER)))
-def test_the_ladder_stops_at_the_first_remedy_that_fits(rung: int, bf16_needs: list[int]) -> None:
-    device = get_device("1GiB").with_overrides(total_bytes=bf16_needs[rung])
-    p = plan(LONG_GPT, 64, device=device, gpus=2)
-    assert (p.precision, p.checkpointing, p.sharded) == BF16_LADDER[rung]
-    assert p.max_micro_batch_size >= 1
-    assert sum(map(sum, p.splits)) == 64
-    assert p.estimate.device_total_bytes <= bf16_needs[rung]
-    assert p.headroom_bytes >= 0
-    assert bool(p.remedies) == (rung > 0)
-    assert any("FSDP" in r for r in p.remedies) == BF16_LADDER[rung][2]
+def test_the_plan_is_the_cheapest_configuration_that_fits(needs: dict[tuple[str, bool, bool], int]) -> None:
+    """At every capacity, the plan takes the first configuration of the ladder whose one item fits."""
+    order = _order("1GiB", 2)
+    checked = set()
+    for capacity in sorted(set(needs.values()), reverse=True):
+        expected = next(rung for rung in order if needs[rung] <= capacity)
+        if expected in checked:
+            continue
+        checked.add(expected)
+        p = plan(LONG_GPT, 64, device=get_device("1GiB").with_overrides(total_bytes=capacity), gpus=2)
+        assert (p.precision, p.checkpointing, p.sharded) == expected, capacity
+        assert p.estimate.device_total_bytes <= capacity and p.headroom_bytes >= 0
+        assert sum(map(sum, p.splits)) == 64
+        assert any("FSDP" in r for r in p.remedies) == expected[2]
+        assert p.changes_numerics == (expected[0] == "bf16-true")
+    assert len(checked) >= 4  # the capacities tell several configurations apart
 
 
-def test_a_sharded_plan_gives_every_rank_the_same_number_of_micro_batches(bf16_needs: list[int]) -> None:
-    device = get_device("1GiB").with_overrides(total_bytes=bf16_needs[-1])
-    p = plan(LONG_GPT, 3, device=device, gpus=2)
+def test_a_sharded_plan_gives_every_rank_the_same_number_of_micro_batches(needs: dict) -> None:
+    device = get_device("1GiB").with_overrides(total_bytes=needs[("fp32", False, True)])
+    p = plan(LONG_GPT, 3, device=device, gpus=2, precision="fp32", checkpointing=False)
     assert p.sharded
     assert len({len(s) for s in p.splits}) == 1, p.splits
 
 
-@pytest.mark.parametrize("rung", [1, 3])
-def test_a_gpu_without_bf16_climbs_with_fp16(rung: int) -> None:
+def test_a_gpu_without_bf16_plans_with_fp16() -> None:
     t4 = get_device("T4")
-    assert not t4.bf16
-    need = one_item_bytes(t4, FP16_LADDER[rung], 2)
-    assert need < one_item_bytes(t4, FP16_LADDER[rung - 1], 2)
-    p = plan(LONG_GPT, 64, device=t4.with_overrides(total_bytes=need), gpus=2)
-    assert (p.precision, p.checkpointing, p.sharded) == FP16_LADDER[rung]
-    assert all("bf16" not in r for r in p.remedies)
+    need = one_item_bytes(t4, ("fp16", False, False), 1)
+    assert need < one_item_bytes(t4, ("fp32", False, False), 1)
+    p = plan(LONG_GPT, 64, device=t4.with_overrides(total_bytes=need), gpus=1)
+    assert (p.precision, p.checkpointing, p.sharded) == ("fp16", False, False)
+    assert all("bf16" not in r for r in p.remedies) and all(a.precision != "bf16-true" for a in p.alternatives)
 
 
-def test_nothing_fits_names_a_larger_gpu_or_a_gpu_count_where_it_would(bf16_needs: list[int]) -> None:
-    total = bf16_needs[-1] - 1  # one byte short of the last rung: nothing on the ladder fits
+def test_nothing_fits_names_a_larger_gpu_or_a_gpu_count_where_it_would(needs: dict) -> None:
+    total = min(needs.values()) - 1  # one byte short of the smallest: nothing on the ladder fits
     device = get_device("1GiB").with_overrides(total_bytes=total)
     with pytest.raises(DoesNotFitError) as info:
         plan(LONG_GPT, 64, device=device, gpus=2)

@@ -55,6 +55,18 @@ class FitResult:
     precision: str
     checkpointing: bool
     attempts: tuple[FitAttempt, ...] = field(default=())
+    line: TraceLine | None = field(default=None, compare=False, repr=False)
+    """The line the search drew (None when it traced its way instead); not part of ``to_dict``."""
+    traces: dict[int, MemoryTrace] = field(default_factory=dict, compare=False, repr=False)
+    """The traces the search ran, by batch size (one rank's, before sharding); not part of ``to_dict``."""
+    capped: bool = False
+    """The search stopped at ``max_batch_size``: larger batches may fit too."""
+
+    def trace_at(self, batch_size: int) -> MemoryTrace | None:
+        """The trace at ``batch_size``: traced, else predicted from the line (None without either)."""
+        if batch_size in self.traces:
+            return self.traces[batch_size]
+        return self.line.at(batch_size) if self.line is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (the estimate as a dict, attempts as a list)."""
@@ -67,6 +79,7 @@ class FitResult:
             "checkpointing": self.checkpointing,
             "estimate": self.estimate.to_dict(),
             "attempts": [a.__dict__ for a in self.attempts],
+            "capped": self.capped,
         }
 
 
@@ -95,9 +108,12 @@ class _Search:
         self.attempts: list[FitAttempt] = []
         self.trials = 0
         self.line: TraceLine | None = None
+        self.progress: Callable[[str], None] | None = None
 
     def traced(self, b: int) -> Estimate:
         if b not in self.estimates:
+            if self.progress is not None:
+                self.progress(f"tracing a step of {b} item{'s' if b != 1 else ''}")
             trace = trace_for_device(self.workload, b, self.device, self.policy, self.classes)
             self.traces[b] = trace
             self.estimates[b] = self._estimate(trace, b)
@@ -157,8 +173,17 @@ def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int) -> 
     )
 
 
-def _search_max(search: _Search, verify: Callable[[int], bool]) -> int:
-    """The search proper; ``verify(b)`` answers "does b fit?" by the most trusted means available."""
+def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_BATCH) -> int:
+    """The search proper; ``verify(b)`` answers "does b fit?" by the most trusted means available.
+
+    With ``cap`` the answer is at most ``cap`` (a plan needs no micro-batch above a rank's share), and
+    nothing above it is traced or run.
+    """
+    if cap <= 2:
+        for b in range(cap, 0, -1):
+            if search.fits(search.traced(b)):
+                return b
+        raise _does_not_fit(search.workload, search.device, search.traced(1), search.budget)
     # The line is drawn through batch sizes 2 and 3, not 1 and 2: at batch size 1 broadcasting often
     # skips reductions in backward (an expanded buffer needs no sum), so its ops differ.
     if not search.fits(search.traced(2)):
@@ -182,13 +207,14 @@ def _search_max(search: _Search, verify: Callable[[int], bool]) -> int:
             )
     else:  # the step's code depends on the batch size: double, then bisect, on traces
         lo, hi = 3, 6
-        while hi < _MAX_BATCH and search.fits(search.traced(hi)):
+        while hi <= cap and hi < _MAX_BATCH and search.fits(search.traced(hi)):
             lo, hi = hi, hi * 2
+        hi = min(hi, cap + 1)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
         guess = lo
-    return _settle(guess, verify)
+    return _settle(min(guess, cap), lambda b: b <= cap and verify(b))
 
 
 def _settle(guess: int, verify: Callable[[int], bool]) -> int:
@@ -221,6 +247,8 @@ def fit(
     shard_over: int = 1,
     verify: bool = True,
     accumulation_steps: int | None = None,
+    max_batch_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """The largest micro-batch of ``workload`` that fits on ``device``.
 
@@ -238,6 +266,9 @@ def fit(
             drawn through two traces (two trials instead of four; used for a plan's alternatives).
         accumulation_steps: micro-batches per optimizer step (None: the workload's, 1 by default);
             above 1, the micro-batch must fit with the earlier micro-batches' gradients alive.
+        max_batch_size: look no further than this (a plan needs no micro-batch above a rank's share);
+            ``FitResult.capped`` then says the search stopped there.
+        progress: called with a short description before each traced step (for a progress display).
 
     Raises:
         ConfigError: a device without a capacity (the cpu), or a margin outside [0, 1).
@@ -282,6 +313,7 @@ def fit(
         reserved_only=isinstance(device, SimulatedDevice),
         shard_over=shard_over,
     )
+    search.progress = progress
 
     if isinstance(device, SimulatedDevice):
 
@@ -308,7 +340,8 @@ def fit(
             return verify_traced(b)
         return search.predicted_fits(search.line, b)
 
-    best = _search_max(search, verify_real or (verify_traced if verify else trust_line))
+    cap = _MAX_BATCH if max_batch_size is None else max(1, int(max_batch_size))
+    best = _search_max(search, verify_real or (verify_traced if verify else trust_line), cap)
     est = search.estimates.get(best)
     if est is None:  # verified by real steps: report the line's prediction rather than trace again
         est = search._estimate(search.line.at(best), best) if search.line is not None else search.traced(best)
@@ -321,6 +354,9 @@ def fit(
         precision=policy.precision.value,
         checkpointing=bool(classes),
         attempts=tuple(search.attempts),
+        line=search.line,
+        traces=dict(search.traces),
+        capped=best == cap,
     )
 
 

@@ -21,6 +21,8 @@ from .options import (
     CheckpointingOpt,
     ContextOpt,
     DeviceOpt,
+    InterconnectName,
+    InterconnectOpt,
     JsonOpt,
     LoraOpt,
     LoraTargetsOpt,
@@ -151,14 +153,17 @@ def fit_command(
 
     check_batch_size(accumulation_steps, "--accumulation-steps")
 
-    result = fit(
-        opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
-        opts.device(device, context_mib),
-        precision=precision,
-        checkpointing="blocks" if checkpointing else None,
-        margin=margin,
-        accumulation_steps=accumulation_steps,
-    )
+    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
+    with opts.progress(as_json) as show:
+        result = fit(
+            wl,
+            opts.device(device, context_mib),
+            precision=precision,
+            checkpointing="blocks" if checkpointing else None,
+            margin=margin,
+            accumulation_steps=accumulation_steps,
+            progress=show,
+        )
     if as_json:
         opts.emit_json(result.to_dict())
         return
@@ -186,6 +191,7 @@ def plan_command(
     base_lr: BaseLrOpt = None,
     base_batch_size: BaseBatchSizeOpt = None,
     lr_rule: LrRuleOpt = LrRule.auto,
+    interconnect: InterconnectOpt = InterconnectName.nvlink,
     context_mib: ContextOpt = None,
     task: TaskOpt = None,
     lora: LoraOpt = None,
@@ -196,18 +202,22 @@ def plan_command(
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
     from ..plan import plan
 
-    result = plan(
-        opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
-        global_batch_size,
-        device=opts.device(device, context_mib),
-        gpus=gpus,
-        precision=precision,
-        checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
-        margin=margin,
-        base_lr=base_lr,
-        base_batch_size=base_batch_size,
-        lr_rule=lr_rule.value,
-    )
+    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
+    with opts.progress(as_json) as show:
+        result = plan(
+            wl,
+            global_batch_size,
+            device=opts.device(device, context_mib),
+            gpus=gpus,
+            precision=precision,
+            checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
+            margin=margin,
+            base_lr=base_lr,
+            base_batch_size=base_batch_size,
+            lr_rule=lr_rule.value,
+            interconnect=interconnect.value,
+            progress=show,
+        )
     if as_json:
         opts.emit_json(result.to_dict())
         return

@@ -6,8 +6,10 @@ Imported by every command module and by none of the library: no command module i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from enum import Enum
 from typing import Annotated, Any
 
@@ -117,6 +119,30 @@ def device(name: str, context_mib: float | None) -> Any:
     if context_mib is not None:
         dev = dev.with_overrides(context_bytes=int(context_mib * 2**20))
     return dev
+
+
+class InterconnectName(str, Enum):
+    """How the plan's GPUs talk to each other (for its time predictions)."""
+
+    nvlink = "nvlink"
+    pcie = "pcie"
+    ib = "ib"
+
+
+InterconnectOpt = Annotated[
+    InterconnectName,
+    typer.Option("--interconnect", help="How the GPUs talk, for predicted times: nvlink, pcie or ib."),
+]
+
+
+@contextlib.contextmanager
+def progress(quiet: bool) -> Iterator[Any]:
+    """A callback showing what is being traced on a terminal (None with ``--json`` or without a TTY)."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    with console_err().status("planning") as status:
+        yield lambda text: status.update(text)
 
 
 def emit_json(obj: dict[str, Any]) -> None:

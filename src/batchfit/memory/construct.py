@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -144,10 +145,13 @@ def fake_construction() -> Iterator[None]:
 
 @contextlib.contextmanager
 def eager_compiled_regions() -> Iterator[None]:
-    """Run ``torch.compile``d functions eagerly (the trace is of eager mode; fake tensors cannot compile)."""
-    try:
-        import torch._dynamo.config as dynamo_config
-    except ImportError:  # pragma: no cover - every supported torch has dynamo
+    """Run ``torch.compile``d functions eagerly (the trace is of eager mode; fake tensors cannot compile).
+
+    Only when dynamo is already loaded: a function compiled before the trace imported it; if nothing
+    did, nothing is compiled, and importing dynamo (seconds) would only slow the trace down.
+    """
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    if dynamo_config is None:
         yield
         return
     saved = dynamo_config.disable

@@ -71,6 +71,9 @@ _GEMMS = frozenset(
 class CudaKernels:
     """The tracer's kernel model for a CUDA device: adds the cuBLAS workspaces where CUDA allocates them."""
 
+    watched_ops = _GEMMS
+    """The ops ``after_op`` acts on (the tracer calls it for no other)."""
+
     def __init__(self, device: Device) -> None:
         self.device = device
         self._handles: set[str] = set()

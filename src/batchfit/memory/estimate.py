@@ -255,7 +255,29 @@ def estimate(
 def trace_for_device(
     workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace:
-    """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind."""
+    """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind, from the
+    trace cache when the same step was traced before (``batchfit/cache.py``)."""
+    import dataclasses
+
+    from ..cache import CACHE, Uncacheable, trace_key
+
+    notes: list[str] = []
+    try:
+        key: str | None = trace_key(workload, batch_size, device, policy, classes)
+    except Uncacheable:
+        key = None
+    cached = CACHE.get(key, notes) if key is not None else None
+    if cached is not None:
+        return cached
+    trace = _trace_for_device(workload, batch_size, device, policy, classes)
+    if key is not None:
+        CACHE.put(key, trace)
+    return dataclasses.replace(trace, notes=[*trace.notes, *notes]) if notes else trace
+
+
+def _trace_for_device(
+    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+) -> MemoryTrace:
     from .trace import trace_workload
 
     if device.exact:

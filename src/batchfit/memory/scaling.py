@@ -51,6 +51,7 @@ class TraceLine:
             if low.op.get(s_low) != high.op.get(s_high):
                 raise ValueError("the two traces run different ops")
         self.high = high
+        self.low = low
         self.b_low, self.b_high = b_low, b_high
         span = b_high - b_low
         self._base: dict[int, int] = {}
@@ -71,12 +72,22 @@ class TraceLine:
             out[sid] = max(0, base + q + (1 if r else 0))
         return out
 
+    def flops_at(self, b: int) -> dict[tuple[str, int], int]:
+        """FLOPs by phase at batch size ``b`` (on the same line as the sizes)."""
+        out = {}
+        span, db = self.b_high - self.b_low, b - self.b_low
+        for key, high in self.high.flops.items():
+            low = self.low.flops.get(key, 0)
+            out[key] = max(0, low + -(-(high - low) * db // span))
+        return out
+
     def at(self, b: int) -> MemoryTrace:
         """The predicted trace at batch size ``b``."""
         h = self.high
         return MemoryTrace(
-            events=h.events, nbytes=self.nbytes_at(b), role=h.role, module=h.module, phases=h.phases, op=h.op
-        )
+            events=h.events, nbytes=self.nbytes_at(b), role=h.role, module=h.module, phases=h.phases, op=h.op,
+            notes=h.notes, flops=self.flops_at(b),
+        )  # fmt: skip
 
 
 def _alloc_order(trace: MemoryTrace) -> list[int]:

@@ -65,5 +65,6 @@ def shard_trace(trace: MemoryTrace, world_size: int) -> MemoryTrace:
     op[gather] = "FSDP all-gather"
     phases = [(index + 1, phase, step) for index, phase, step in trace.phases]
     return MemoryTrace(
-        events=[gather, *trace.events], nbytes=nbytes, role=role, module=module, phases=phases, op=op
-    )
+        events=[gather, *trace.events], nbytes=nbytes, role=role, module=module, phases=phases, op=op,
+        notes=trace.notes, flops=trace.flops,
+    )  # fmt: skip

@@ -27,10 +27,13 @@ from torch.utils._pytree import tree_flatten
 
 from ..workload import Workload, model_tensors, trainable_parameters
 from .categories import Category
+from .flops import op_flops
 from .steps import default_dtype
 from .tracker import RoleBook, StorageTracker
 
 OUTSIDE = "(outside modules)"
+_OP_NAMES: dict[Any, str] = {}
+"""``str(op)`` of each op seen, computed once."""
 _MODULE_KEY = "batchfit_module"
 
 
@@ -51,6 +54,8 @@ class MemoryTrace:
     """The op that allocated each storage (``"param"``, ``"batch"``, an aten op, or a scratch label)."""
     notes: list[str] = field(default_factory=list)
     """What the trace had to assume (value reads it could not know, compiled modules run eagerly)."""
+    flops: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Floating-point operations by ``(phase, step)`` (``memory/flops.py``): what time models start from."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
         """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
@@ -96,6 +101,7 @@ class Tracer:
         self.optimizer = optimizer
         self._roles = RoleBook()
         self._phase = "setup"
+        self._step = 0
         self._kernels = kernels
         self._next_scratch = -1
         self._stack = contextlib.ExitStack()
@@ -109,6 +115,8 @@ class Tracer:
         self._module_names: dict[int, str] = {}
         self._backward_module = OUTSIDE
         self._param_module: dict[int, str] = {}
+        self._watched = getattr(kernels, "watched_ops", None)
+        """The ops the kernel model's ``after_op`` acts on (None: all of them)."""
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_error(self, func: Any) -> None:
@@ -149,20 +157,38 @@ class Tracer:
                 self._backward_module = name
 
     def _on_alloc(self, sid: int, nbytes: int) -> None:
-        self._note_backward_module()
+        node = self._tracker.current_node  # what the tracker read while registering: read it once
+        if node is not None:
+            name = node.metadata.get(_MODULE_KEY)
+            if name is not None:
+                self._backward_module = name
+            module = self._backward_module
+        else:
+            module = self._module_stack[-1] if self._module_stack else OUTSIDE
         t = self.trace
         t.events.append(sid)
         t.nbytes[sid] = nbytes
-        t.module[sid] = self._current_module()
+        t.module[sid] = module
         func = self._tracker.current_func
-        t.op[sid] = str(func) if func is not None and self._phase != "setup" else self._phase
+        if func is not None and self._phase != "setup":
+            label = _OP_NAMES.get(func)
+            if label is None:
+                label = _OP_NAMES[func] = str(func)
+        else:
+            label = self._phase
+        t.op[sid] = label
         self._roles.born(sid, Category.BATCH_DATA if self._phase == "batch" else Category.TEMPORARIES)
 
     def _on_free(self, sid: int) -> None:
         self.trace.events.append(~sid)
 
     def _after_op(self, func: Any, args: tuple, kwargs: dict, outputs: list, first_new: int) -> None:
-        if self._kernels is not None:
+        flops = op_flops(func, args, kwargs, self._tracker.current_out)
+        if flops:
+            key = (self._phase, self._step)
+            self.trace.flops[key] = self.trace.flops.get(key, 0) + flops
+        watched = self._watched
+        if self._kernels is not None and (watched is None or func in watched):
             new_sids = []
             for t in outputs:
                 sid = self._tracker.storage_id(t)
@@ -236,6 +262,7 @@ class Tracer:
     def mark(self, phase: str, step: int) -> None:
         """Start ``phase`` of ``step`` on the timeline."""
         self._phase = phase
+        self._step = step
         self.trace.phases.append((len(self.trace.events), phase, step))
 
     # -- context --------------------------------------------------------------------------------
@@ -246,7 +273,12 @@ class Tracer:
         if self._kernels is not None and hasattr(self._kernels, "start"):
             stack.callback(self._kernels.stop)
             self._kernels.start()
-        stack.enter_context(self._tracker)
+        values = _active_value_mode()
+        if values is not None and values.observer is None:  # one mode for both (see memory/values.py)
+            values.observer = self._tracker
+            stack.callback(setattr, values, "observer", None)
+        else:
+            stack.enter_context(self._tracker)
         self.mark("setup", 0)
         mod_names = {}
         root = type(self.model).__name__
@@ -277,6 +309,17 @@ class Tracer:
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
         self.trace.role = dict(self._roles.role)
+
+
+def _active_value_mode() -> Any:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from .values import ValueMode
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, ValueMode):
+            return mode
+    return None
 
 
 # -- building on fake tensors ------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -147,11 +148,16 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes: dict[int, int] = {}
         self.current_func: Any = None
         """The op whose outputs are being registered (None outside ops)."""
+        self.current_out: Any = None
+        """The op's output as it returned it, while ``after_op`` runs."""
         self.on_error: Callable[[Any], None] | None = None
         """Called with the op when an op raises (before the exception unwinds the module stack)."""
         self.fix_outputs: Callable[[Any, tuple, dict, Any], Any] | None = None
         """``(func, args, kwargs, out) -> out``: may replace an op's fresh outputs before they are
         registered (a kernel model whose real kernel lays them out differently from the meta kernel)."""
+        self._refs: dict[int, Any] = {}  # storage id -> weak reference to its storage
+        self.current_node: Any = None
+        """The autograd node running when the storage being registered was made (None in forward)."""
         self._born_in: dict[int, int] = {}  # storage id -> id of the autograd node that made it
         self._zeros: set[int] = set()  # storage ids made by a zeros-like factory
         self._accumulation = _accumulation_counts()
@@ -175,14 +181,17 @@ class StorageTracker(TorchDispatchMode):
         self._next_id += 1
         self._ids[key] = sid
         self.live_bytes[sid] = nbytes
-        node = torch._C._current_autograd_node()
+        node = self.current_node = torch._C._current_autograd_node()
         if node is not None:
             self._born_in[sid] = id(node)
-        weakref.finalize(st, self._freed, key, sid)
+        # A weak reference with a callback (cheaper than weakref.finalize, which also keeps a global
+        # registry); the reference itself is kept here until its storage dies.
+        self._refs[sid] = weakref.ref(st, partial(self._freed, key, sid))
         self._on_alloc(sid, nbytes)
         return sid
 
-    def _freed(self, key: int, sid: int) -> None:
+    def _freed(self, key: int, sid: int, _ref: Any = None) -> None:
+        self._refs.pop(sid, None)
         if self._ids.get(key) == sid:
             del self._ids[key]
         self._born_in.pop(sid, None)
@@ -221,6 +230,11 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _PRIM_DEVICE:  # a metadata query (about two thirds of all dispatches): no storage
             return func(*args, **kwargs)
+        return self.observe(func, args, kwargs, _call)
+
+    def observe(self, func: Any, args: tuple, kwargs: dict, call: Callable[[Any, tuple, dict], Any]) -> Any:
+        """Run ``call(func, args, kwargs)`` and register the storages it made (also used by the value mode,
+        which wraps every op in this when it carries the tracker; see ``memory/values.py``)."""
         if func is _ADD and not kwargs:
             accumulated = self._engine_accumulation(args)
             if accumulated is not None:
@@ -230,7 +244,7 @@ class StorageTracker(TorchDispatchMode):
             if filled is not None:
                 return filled
         try:
-            out = func(*args, **kwargs)
+            out = call(func, args, kwargs)
         except Exception:
             if self.on_error is not None:
                 self.on_error(func)
@@ -239,7 +253,12 @@ class StorageTracker(TorchDispatchMode):
             out = self.fix_outputs(func, args, kwargs, out)
         first_new = self._next_id
         self.current_func = func
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if isinstance(out, torch.Tensor):
+            outputs = [out]
+        elif isinstance(out, (tuple, list)):
+            outputs = [t for t in out if isinstance(t, torch.Tensor)]
+        else:
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outputs:
             self.register(t)
         if func in _ZERO_FACTORIES and len(outputs) == 1:
@@ -247,9 +266,15 @@ class StorageTracker(TorchDispatchMode):
             if sid is not None and sid >= first_new:
                 self._zeros.add(sid)
         if self._after_op is not None:
+            self.current_out = out
             self._after_op(func, args, kwargs, outputs, first_new)
+            self.current_out = None
         self.current_func = None
         return out
+
+
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 class RoleBook:

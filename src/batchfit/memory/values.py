@@ -9,8 +9,9 @@ loss's normaliser. ``FakeTensorMode`` raises on all of these.
 
 ``ValueMode`` sits just above the fake mode and keeps a *real shadow* of every fake storage whose value
 can be known cheaply: an op whose tensor inputs all have shadows (or are real) and whose outputs are
-small (``limit`` elements) and do not require grad is run a second time on the real shadows, and the
-results become the shadows of its outputs (views share their base's shadow, in-place ops update it).
+small (``limit`` elements) and do not require grad is run a second time on the real shadows (matrix
+products never are: ``_PRODUCTS``), and the results become the shadows of its outputs (views share
+their base's shadow, in-place ops update it).
 Factory ops (``arange``, ``linspace``, ``randint``, ``tensor(...)``) start the chains. Parameters and
 activations are never shadowed (they require grad, or are too large): their values are neither
 needed nor affordable. A mutation that cannot be computed drops the shadows it writes to, so a shadow
@@ -20,7 +21,8 @@ A read of a value that has no shadow continues along one branch, and says so in 
 module: a boolean reads False (``while mask.any()`` loops end, ``if torch.isnan(x).any()`` guards pass),
 a number reads 1, and an op whose output size depends on unknown data assumes every element is
 selected (``nonzero``, ``masked_select``, boolean indexing: the largest size, so memory is not
-under-estimated). Random draws for shadows use a forked RNG, so tracing leaves the user's RNG alone.
+under-estimated). Random draws for shadows use a forked RNG, so tracing leaves the user's RNG alone;
+a branch on a random draw (LayerDrop) follows that one draw.
 
 Limitations:
     A branch taken on an unknown value may not be the branch the real step takes; the estimate lists
@@ -51,8 +53,16 @@ _aten = torch.ops.aten
 _SCALAR_READS = frozenset({_aten._local_scalar_dense.default, _aten.item.default})
 _PRIM_DEVICE = torch.ops.prim.device.default
 DEFAULT_LIMIT = 1 << 20
-"""Largest output (elements) computed for real: a token batch's ids and masks (B x T up to a million)
-are shadowed, weight matrices never are."""
+"""Largest output (elements) computed for real: a token batch's ids and masks (B x T up to a million,
+and the float attention masks transformers builds from them and inspects) are shadowed."""
+_PRODUCTS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "bmm", "addmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)
+)
+"""Matrix products and convolutions: never computed for real. What a step reads is index and mask
+logic (comparisons, sums, cumulative sums), not products; a product of known inputs (rotary
+frequencies times positions) would cost real compute for a value nothing reads."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,19 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return out
 
 
+_KINDS: dict[Any, tuple[bool, bool]] = {}
+
+
+def _kind(func: Any) -> tuple[bool, bool]:
+    """``(mutates an argument, returns an alias of an argument)`` of an op, from its schema (cached)."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        schema = func._schema
+        aliasing = any(r.alias_info is not None for r in schema.returns)
+        kind = _KINDS[func] = (schema.is_mutable, aliasing)
+    return kind
+
+
 class ValueMode(TorchDispatchMode):
     """Keeps real shadows of small fake tensors and answers value reads (see the NOTE above).
 
@@ -138,6 +161,8 @@ class ValueMode(TorchDispatchMode):
         self.limit = limit
         self.notes: dict[ValueNote, int] = {}
         """Each assumption made, with how many times it was made."""
+        self.observer: Any = None
+        """A storage tracker wrapping every op (see NOTE [ One mode for values and tracking ])."""
         self._rng: contextlib.ExitStack | None = None
 
     # -- context: the shadows' random draws come from a forked generator --------------------------
@@ -159,10 +184,20 @@ class ValueMode(TorchDispatchMode):
         self.notes[key] = self.notes.get(key, 0) + 1
 
     # -- dispatch --------------------------------------------------------------------------------
+    # NOTE [ One mode for values and tracking ]
+    # Every Python dispatch mode costs each op a round trip through the dispatcher. While a step is
+    # traced, the storage tracker is not a mode of its own: it sets itself as this mode's ``observer``
+    # and wraps each op here (``observe(func, args, kwargs, call)``), so the trace pays for one layer.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func is _PRIM_DEVICE:
             return func(*args, **kwargs)
+        observer = self.observer
+        if observer is not None:
+            return observer.observe(func, args, kwargs, self._dispatch)
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in _SCALAR_READS:
             return self._read(func, args[0])
         try:
@@ -200,13 +235,19 @@ class ValueMode(TorchDispatchMode):
             return None
 
     def _propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        computable = (
-            bool(outs)
-            and all(t.numel() <= self.limit and not t.requires_grad for t in outs)
+        if isinstance(out, torch.Tensor):
+            outs: list[torch.Tensor] = [out]
+        elif isinstance(out, (tuple, list)):
+            outs = [t for t in out if isinstance(t, torch.Tensor)]
+        else:
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        limit = self.limit
+        if (
+            outs
+            and func not in _PRODUCTS
+            and all(t.numel() <= limit and not t.requires_grad for t in outs)
             and getattr(func, "namespace", "aten") != "profiler"
-        )
-        if computable:
+        ):
             result = self._real_call(func, args, kwargs)
             if result is not None:
                 real_outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
@@ -214,11 +255,13 @@ class ValueMode(TorchDispatchMode):
                     for fake, real in zip(outs, real_outs):
                         adopt(fake, real)
                     return
-        if func._schema.is_mutable:
+        mutable, aliasing = _kind(func)
+        if mutable:
             for t in _written(func, args, kwargs):
                 forget(t)
-        for t in outs:  # an output that aliases a shadowed input but was not computed: forget it
-            forget(t)
+        if aliasing:  # a view of a shadowed input that was not computed: its storage's value is unknown
+            for t in outs:
+                forget(t)
 
     def _read(self, func: Any, t: torch.Tensor) -> Any:
         real = real_of(t)

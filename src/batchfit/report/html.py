@@ -344,22 +344,21 @@ def _plan_section(r: Report) -> str:
         if r.lr is not None:
             rows.append(["learning rate", _e(f"{r.lr.lr:.4g} ({r.lr.rule} rule)")])
         out.append(_table(None, rows))
+        if p.changes_numerics:
+            out.append('<p class="note"><b>bf16 weights and optimizer states change the training maths (no fp32 '
+                       "master weights); chosen only because no configuration that keeps them fits.</b></p>")
         if p.alternatives:
             alt = [
                 [
-                    _e(o.precision),
-                    "yes" if o.checkpointing else "no",
-                    "yes" if o.sharded else "no",
-                    _e(o.max_micro_batch_size),
+                    _e(", ".join(o.remedies) or "nothing (fp32, accumulation only)"),
                     _e(f"{o.micro_batch_size} x {o.accumulation_steps}"),
                     _e("-" if o.device_total_bytes is None else format_bytes(o.device_total_bytes)),
+                    _e("-" if o.predicted_step_s is None else f"{o.predicted_step_s:.3g} s"),
                 ]
                 for o in p.alternatives
             ]
-            out.append("<p>Alternatives (other rungs of the remedies ladder that fit):</p>")
-            out.append(
-                _table(["precision", "checkpointing", "sharded", "max micro", "micro x accum", "memory/GPU"], alt)
-            )
+            out.append("<p>Alternatives that also fit, fastest first (predicted time per global batch):</p>")
+            out.append(_table(["what it changes", "micro x accum", "memory/GPU", "time/global batch"], alt))
         for w in p.warnings:
             out.append(f'<p class="note">{_e(w)}</p>')
     if r.lr is not None:

@@ -141,7 +141,10 @@ def plan_table(plan: Any) -> Group:
     head.add_row("precision", plan.precision)
     head.add_row("activation checkpointing", "yes" if plan.checkpointing else "no")
     head.add_row("sharding (FSDP)", "yes" if plan.sharded else "no")
-    head.add_row("remedies applied", ", ".join(plan.remedies) or "none needed")
+    head.add_row("remedies applied", ", ".join(plan.remedies) or "none needed (accumulation only)")
+    if getattr(plan, "predicted_step_s", None) is not None:
+        link = f" ({plan.interconnect} between GPUs)" if plan.gpus > 1 else ""
+        head.add_row("predicted time per global batch", _seconds(plan.predicted_step_s) + link)
     head.add_row("largest micro-batch that fits", str(plan.max_micro_batch_size))
     head.add_row("memory per GPU", format_bytes(plan.estimate.device_total_bytes))
     head.add_row("headroom per GPU", format_bytes(plan.headroom_bytes))
@@ -151,24 +154,37 @@ def plan_table(plan: Any) -> Group:
     if plan.scaled_lr is not None:
         head.add_row("learning rate", f"{plan.scaled_lr:.4g} ({plan.lr_rule} rule)")
     parts: list[Any] = [head]
+    if getattr(plan, "changes_numerics", False):
+        parts.append(Text(
+            "bf16 weights and optimizer states: this changes the training maths (no fp32 master weights); "
+            "it was chosen only because no configuration that keeps them fits",
+            style="bold red",
+        ))  # fmt: skip
     if plan.alternatives:
-        alt = Table(title="alternatives", title_justify="left")
-        for col in ("precision", "checkpointing", "sharded", "max micro", "micro x accum", "memory/GPU"):
-            alt.add_column(col, justify="right")
+        alt = Table(title="alternatives that also fit (fastest first)", title_justify="left")
+        for col in ("what it changes", "micro x accum", "memory/GPU", "time/global batch"):
+            alt.add_column(col, justify="left" if col == "what it changes" else "right")
         for o in plan.alternatives:
             total = "-" if o.device_total_bytes is None else format_bytes(o.device_total_bytes)
+            changes = ", ".join(o.remedies) or "nothing (fp32, accumulation only)"
             alt.add_row(
-                o.precision,
-                "yes" if o.checkpointing else "no",
-                "yes" if o.sharded else "no",
-                str(o.max_micro_batch_size),
+                Text(changes, style="bold" if getattr(o, "changes_numerics", False) else ""),
                 f"{o.micro_batch_size} x {o.accumulation_steps}",
                 total,
+                "-" if getattr(o, "predicted_step_s", None) is None else _seconds(o.predicted_step_s),
             )
         parts.append(alt)
     for w in plan.warnings:
         parts.append(Text(f"warning: {w}", style="yellow"))
     return Group(*parts)
+
+
+def _seconds(seconds: float) -> str:
+    if seconds >= 100:
+        return f"{seconds:,.0f} s"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1000:.1f} ms"
 
 
 def sweep_table(result: Any) -> Table:

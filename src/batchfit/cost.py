@@ -1,0 +1,158 @@
+"""Predicted time of one optimizer step (a whole global batch) in a given configuration.
+
+NOTE [ A time model to rank configurations ]
+The model needs only to order the configurations a plan can choose from, so it keeps the terms that
+differ between them and states its assumptions:
+
+- compute: the traced step's floating-point operations (``trace.flops``, PyTorch's own formulas,
+  recomputation of checkpointed blocks included) at a fraction (``MATMUL_EFFICIENCY``) of the GPU's
+  peak: the tensor-core peak for bf16/fp16 autocast and bf16 weights, the non-tensor-core fp32 peak for
+  fp32 (PyTorch's default ``float32_matmul_precision="highest"`` uses no TF32);
+- memory traffic: every byte the step allocates in forward and backward is written once and read
+  about once, at a fraction (``BANDWIDTH_EFFICIENCY``) of the GPU's memory bandwidth; the optimizer
+  step reads and writes parameters, gradients and states once;
+- communication, unoverlapped: data parallelism all-reduces the gradients once per optimizer step (a
+  ring moves ``2 (n - 1) / n`` of them); FSDP all-gathers the parameters in forward and again in
+  backward and reduce-scatters the gradients, once per micro-batch (``(n - 1) / n`` of the full size
+  each), over the assumed interconnect.
+
+Each micro-batch pays compute + traffic; the accumulation count multiplies it. The result is a
+prediction for ranking, not a measurement; ``batchfit sweep`` measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from .errors import ConfigError
+
+MATMUL_EFFICIENCY = 0.5
+"""Fraction of the peak a training step's matrix products reach (typical model FLOPs utilisation)."""
+BANDWIDTH_EFFICIENCY = 0.7
+"""Fraction of the peak memory bandwidth elementwise kernels reach."""
+
+# Non-tensor-core fp32 peaks (TFLOPS), NVIDIA datasheets; bf16/fp16 tensor peaks are in the catalog.
+FP32_TFLOPS = {
+    "V100-16GB": 15.7, "V100-32GB": 15.7, "T4": 8.1, "A10G": 31.2, "L4": 30.3, "L40S": 91.6,
+    "RTX-3090": 35.6, "RTX-4090": 82.6, "A6000": 38.7, "A100-40GB": 19.5, "A100-80GB": 19.5,
+    "H100-80GB": 67.0, "H200": 67.0, "B200": 80.0,
+}  # fmt: skip
+
+
+class Interconnect(str, Enum):
+    """How the GPUs of a plan talk to each other."""
+
+    nvlink = "nvlink"
+    pcie = "pcie"
+    ib = "ib"
+
+
+# Per-GPU, one-direction bandwidth in GB/s. NVLink by generation (NVIDIA: V100 300, A100 600, H100 900,
+# B200 1800 GB/s total, half per direction); PCIe 4.0 x16 32 GB/s (5.0: 64); InfiniBand HDR 200 Gb/s and
+# NDR 400 Gb/s per GPU (one adapter per GPU), 25 and 50 GB/s.
+_NVLINK_GBPS = {"Volta": 150.0, "Ampere": 300.0, "Hopper": 450.0, "Blackwell": 900.0}
+_PCIE_GBPS = {"Hopper": 64.0, "Blackwell": 64.0}
+_IB_GBPS = {"Hopper": 50.0, "Blackwell": 50.0}
+
+
+def link_gbps(device: Any, interconnect: Interconnect | str) -> float:
+    """The assumed per-GPU bandwidth of ``interconnect`` for ``device``'s generation, in GB/s.
+
+    Raises:
+        ConfigError: an unknown interconnect name.
+    """
+    try:
+        kind = Interconnect(interconnect)
+    except ValueError:
+        raise ConfigError(f"unknown interconnect {interconnect!r}; use nvlink, pcie or ib") from None
+    arch = getattr(device, "arch", "")
+    if kind is Interconnect.nvlink:
+        return _NVLINK_GBPS.get(arch, 32.0)  # a GPU without NVLink talks over PCIe
+    if kind is Interconnect.pcie:
+        return _PCIE_GBPS.get(arch, 32.0)
+    return _IB_GBPS.get(arch, 25.0)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by where the time goes."""
+
+    compute_s: float
+    memory_s: float
+    optimizer_s: float
+    communication_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.optimizer_s + self.communication_s
+
+
+# A GPU given by its capacity only ("24GiB") is modelled as the catalog's Ampere defaults elsewhere
+# (devices.generic_device); its throughput is taken as an A100's.
+_GENERIC = ("A100-40GB", 312.0, 1555.0)
+
+
+def _peak_flops(device: Any, precision: str) -> float:
+    tensor = float(getattr(device, "bf16_tflops", 0.0) or 0.0)
+    name = getattr(device, "name", "")
+    if not tensor:
+        name, tensor = _GENERIC[0], _GENERIC[1]
+    fp32 = FP32_TFLOPS.get(name, tensor / 16)
+    return (fp32 if precision == "fp32" else tensor) * 1e12
+
+
+def _bandwidth(device: Any) -> float:
+    return float(getattr(device, "memory_bandwidth_gbps", 0.0) or _GENERIC[2]) * 1e9
+
+
+def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
+    """``(FLOPs, bytes allocated)`` of the forward and backward of ``step`` in ``trace``."""
+    flops = sum(n for (phase, s), n in trace.flops.items() if s == step and phase in ("forward", "backward"))
+    allocated, phase = 0, ""
+    bounds = [(start, name, s) for start, name, s in trace.phases]
+    k = 0
+    for i, e in enumerate(trace.events):
+        while k < len(bounds) and bounds[k][0] <= i:
+            phase = bounds[k][1] if bounds[k][2] == step else ""
+            k += 1
+        if e >= 0 and phase in ("forward", "backward"):
+            allocated += trace.nbytes[e]
+    return flops, allocated
+
+
+def predict_step_time(
+    trace: Any,
+    device: Any,
+    *,
+    precision: str,
+    micro_batches: int,
+    gpus: int = 1,
+    sharded: bool = False,
+    interconnect: Interconnect | str = Interconnect.nvlink,
+    state_bytes: tuple[int, int, int] = (0, 0, 0),
+) -> StepTime:
+    """The predicted time of one optimizer step (see NOTE [ A time model to rank configurations ]).
+
+    Args:
+        trace: the traced step of one micro-batch in this configuration (one rank's, unsharded).
+        micro_batches: micro-batches per optimizer step on the busiest rank.
+        state_bytes: ``(parameters, gradients, optimizer states)`` of the whole model, in bytes.
+    """
+    flops, traffic = step_traffic(trace)
+    peak, bandwidth = _peak_flops(device, precision), _bandwidth(device)
+    compute = micro_batches * flops / (peak * MATMUL_EFFICIENCY)
+    memory = micro_batches * 2 * traffic / (bandwidth * BANDWIDTH_EFFICIENCY)
+    params, grads, states = state_bytes
+    shards = gpus if sharded else 1
+    optimizer = (2 * params + 2 * grads + 2 * states) / shards / (bandwidth * BANDWIDTH_EFFICIENCY)
+    link = link_gbps(device, interconnect) * 1e9
+    comm = 0.0
+    if gpus > 1:
+        share = (gpus - 1) / gpus
+        if sharded:
+            comm = micro_batches * share * (2 * params + grads) / link
+        else:
+            comm = 2 * share * grads / link
+    return StepTime(compute, memory, optimizer, comm)

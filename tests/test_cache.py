@@ -1,0 +1,117 @@
+"""The trace cache: a repeated trace is reused, and anything that changes the step changes the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batchfit
+from batchfit import presets
+from batchfit.cache import CACHE, cache_dir
+from batchfit.models.gpt import token_batch
+
+TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)
+
+
+def _estimate(wl: batchfit.Workload, b: int = 4) -> batchfit.Estimate:
+    return batchfit.estimate(wl, b, device="A100-40GB")
+
+
+def _misses(fn) -> int:  # noqa: ANN001
+    before = CACHE.misses
+    fn()
+    return CACHE.misses - before
+
+
+def test_a_repeated_estimate_is_read_back_from_memory_and_from_disk() -> None:
+    wl = presets.get("gpt", **TINY)
+    first = _estimate(wl)
+    hits = CACHE.hits
+    assert _estimate(wl) == first and CACHE.hits == hits + 1
+    CACHE.clear_memory()  # as a new process would: from disk
+    assert _estimate(presets.get("gpt", **TINY)) == first and CACHE.hits == hits + 2
+    assert any(cache_dir().rglob("*.pickle"))
+
+
+def test_model_optimizer_batch_and_batch_size_changes_are_new_traces() -> None:
+    wl = presets.get("gpt", **TINY)
+    _estimate(wl)
+    assert _misses(lambda: _estimate(wl)) == 0
+    assert _misses(lambda: _estimate(presets.get("gpt", **{**TINY, "n_embd": 64}))) == 1
+    assert _misses(lambda: _estimate(presets.get("gpt", **TINY, optimizer="sgd"))) == 1
+    shorter = functools.partial(token_batch, seq_len=8, vocab_size=TINY["vocab_size"])
+    assert _misses(lambda: _estimate(dataclasses.replace(wl, batch=shorter))) == 1
+    assert _misses(lambda: _estimate(wl, 5)) == 1
+    assert _misses(lambda: batchfit.estimate(wl, 4, device="A100-40GB", precision="bf16")) == 1
+    assert _misses(lambda: batchfit.estimate(wl, 4, device="H100-80GB")) == 1  # another cuBLAS workspace
+    assert _misses(lambda: batchfit.estimate(wl, 4, device="A100-80GB")) == 0  # only the capacity differs
+
+
+def test_a_changed_model_class_is_a_new_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = (
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n        return self.a(x){extra}\n"
+    )
+    (tmp_path / "zoo_net.py").write_text(source.format(extra=""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("zoo_net")
+
+    def workload() -> batchfit.Workload:
+        return batchfit.Workload(model=lambda: module.Net(), batch=lambda b: torch.randn(b, 8),
+                                 loss=lambda m, x: m(x).square().mean())  # fmt: skip
+
+    plain = _estimate(workload())
+    (tmp_path / "zoo_net.py").write_text(source.format(extra=".relu().exp()"))
+    module = importlib.reload(module)
+    assert _misses(lambda: _estimate(workload())) == 1
+    assert _estimate(workload()).peak_allocated_bytes >= plain.peak_allocated_bytes
+    sys.modules.pop("zoo_net", None)
+
+
+def test_a_new_batchfit_version_never_reuses_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    wl = presets.get("gpt", **TINY)
+    _estimate(wl)
+    monkeypatch.setattr(batchfit, "__version__", "99.0")
+    CACHE.clear_memory()
+    assert _misses(lambda: _estimate(wl)) == 1
+
+
+def test_a_corrupt_cache_file_is_ignored_with_a_note() -> None:
+    wl = presets.get("gpt", **TINY)
+    first = _estimate(wl, 3)
+    CACHE.clear_memory()
+    files = sorted(cache_dir().rglob("*.pickle"), key=lambda p: p.stat().st_mtime)
+    files[-1].write_bytes(b"not a pickle")
+    again = _estimate(wl, 3)
+    assert again.peak_allocated_bytes == first.peak_allocated_bytes
+    assert any("unreadable trace cache entry" in n for n in again.notes)
+
+
+def test_an_indescribable_workload_is_traced_every_time() -> None:
+    class Holder:  # an arbitrary object in the loss's closure: no stable description
+        scale = 2.0
+
+    holder = Holder()
+    wl = batchfit.Workload(model=lambda: nn.Linear(8, 2), batch=lambda b: (torch.randn(b, 8), torch.zeros(b).long()),
+                           loss=lambda m, batch: F.cross_entropy(m(batch[0]) * holder.scale, batch[1]))  # fmt: skip
+    assert _misses(lambda: _estimate(wl)) == 0  # no key: not even counted as a miss
+    assert _estimate(wl) == _estimate(wl)
+
+
+def test_the_disk_cache_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("BATCHFIT_CACHE", "0")
+    assert cache_dir() is None
+    monkeypatch.delenv("BATCHFIT_CACHE")
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "elsewhere"))
+    _estimate(presets.get("gpt", **TINY), 2)
+    assert any((tmp_path / "elsewhere").rglob("*.pickle"))

@@ -1,0 +1,105 @@
+"""The time model that ranks a plan's configurations (``batchfit.cost``), on cases whose order is known."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import batchfit
+from batchfit import presets
+from batchfit.cost import Interconnect, link_gbps, predict_step_time, step_traffic
+from batchfit.devices import get_device
+from batchfit.errors import ConfigError
+from batchfit.memory.estimate import trace_for_device
+from batchfit.memory.states import state_bytes
+from batchfit.precision import policy_for
+
+GPT = presets.get("gpt", n_layer=2, n_embd=256, n_head=4, vocab_size=512, seq_len=256)
+A100 = get_device("A100-40GB")
+
+
+def _trace(wl: batchfit.Workload, b: int, precision: str = "fp32", checkpointing: bool = False):  # noqa: ANN202
+    classes = wl.checkpoint_blocks if checkpointing else ()
+    return trace_for_device(wl, b, A100, policy_for(precision), classes)
+
+
+def _time(precision: str = "fp32", checkpointing: bool = False, micro: int = 4, micro_batches: int = 2, **kw) -> float:
+    states = state_bytes(GPT, policy_for(precision).param_dtype).as_tuple()
+    trace = _trace(GPT, micro, precision, checkpointing)
+    return predict_step_time(trace, A100, precision=precision, micro_batches=micro_batches, state_bytes=states,
+                             **kw).total_s  # fmt: skip
+
+
+def test_flops_are_what_torch_flop_counter_counts() -> None:
+    """The trace counts FLOPs with torch's own formulas: equal to FlopCounterMode on the same step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    wl = presets.get("cnn", image_size=16, width=8, stages=2, blocks=1)
+    trace = trace_for_device(wl, 4, get_device("cpu"), policy_for("fp32"), ())
+    traced = trace.flops[("forward", 1)] + trace.flops[("backward", 1)]
+    torch.manual_seed(0)
+    model = wl.build_model()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss = wl.loss(model, wl.batch(4))
+        loss.backward()
+    assert traced == counter.get_total_flops() > 0
+
+
+def test_checkpointing_costs_time_at_equal_micro_batches() -> None:
+    plain, recomputed = _time(checkpointing=False), _time(checkpointing=True)
+    flops_plain = step_traffic(_trace(GPT, 4))[0]
+    flops_ckpt = step_traffic(_trace(GPT, 4, checkpointing=True))[0]
+    assert flops_ckpt > flops_plain  # the recomputed forward is counted
+    assert recomputed > plain
+
+
+def test_autocast_is_faster_than_fp32_on_tensor_cores() -> None:
+    assert _time("bf16") < _time("fp32")
+
+
+def test_more_micro_batches_take_longer_and_sharding_pays_for_communication() -> None:
+    assert _time(micro_batches=4) > _time(micro_batches=2)
+    unsharded = _time(gpus=8, sharded=False)
+    sharded = _time(gpus=8, sharded=True)
+    assert sharded > unsharded  # FSDP gathers the parameters in every micro-batch
+    assert _time(gpus=8, sharded=True, interconnect="pcie") > sharded  # a slower link
+
+
+def test_data_parallel_communication_grows_with_the_gpu_count_share() -> None:
+    one = _time(gpus=1)
+    assert _time(gpus=2) > one
+    assert _time(gpus=8) > _time(gpus=2)  # (n - 1) / n of the gradients cross the ring
+
+
+def test_interconnects_by_generation_and_bad_names() -> None:
+    assert link_gbps(get_device("H100-80GB"), "nvlink") > link_gbps(A100, "nvlink") > link_gbps(A100, "pcie")
+    assert link_gbps(A100, Interconnect.ib) == 25.0
+    with pytest.raises(ConfigError, match="nvlink, pcie or ib"):
+        link_gbps(A100, "ethernet")
+    with pytest.raises(ConfigError, match="nvlink, pcie or ib"):
+        batchfit.plan(GPT, 8, device="A100-40GB", interconnect="ethernet")
+
+
+def test_state_bytes_are_exact() -> None:
+    wl = presets.get("mlp")
+    n = sum(p.numel() for p in wl.build_model().parameters())
+    adamw = state_bytes(wl, None)
+    assert (adamw.parameters, adamw.gradients) == (4 * n, 4 * n)
+    assert adamw.optimizer_states == 2 * 4 * n + 4 * len(list(wl.build_model().parameters()))  # + fp32 steps
+    sgd = state_bytes(presets.get("mlp", optimizer="sgd"), None)
+    assert sgd.optimizer_states == 4 * n  # one momentum buffer
+    assert state_bytes(wl, torch.bfloat16).parameters == 2 * n
+
+
+def test_a_model_too_large_for_one_gpu_is_sharded_with_fp32_master_weights() -> None:
+    """What the 7B plan on 8 GPUs must do: keep fp32 weights and states, sharded, when that fits."""
+    wl = presets.get("gpt", n_layer=4, n_embd=1024, n_head=8, vocab_size=8192, seq_len=64)  # ~1 GB of state
+    total = state_bytes(wl, None).total
+    device = dataclasses.replace(A100, name="small", total_bytes=A100.context_bytes + int(0.6 * total))
+    p = batchfit.plan(wl, 16, device=device, gpus=8)
+    assert (p.precision, p.sharded) == ("fp32", True)  # no autocast needed, no bf16 weights
+    assert not p.changes_numerics and p.remedies == ("FSDP sharding",)
+    assert p.estimate.device_total_bytes <= device.total_bytes
