@@ -352,20 +352,23 @@ class TraceCache:
         root = cache_dir()
         return None if root is None else root / "traces" / key[:2] / f"{key}.pickle"
 
-    def get(self, key: str, notes: list[str]) -> Any:
-        """The trace stored under ``key``, or None; an unreadable file adds a note and is removed."""
+    def get(self, key: str, notes: list[str], *, count: bool = True) -> Any:
+        """The trace stored under ``key``, or None; an unreadable file adds a note and is removed.
+
+        ``hits`` and ``misses`` count traces only (``count=False`` for the facts beside them).
+        """
         if not self.enabled:
             return None
         if key in self._memory:
             self._memory[key] = self._memory.pop(key)
-            self.hits += 1
+            self.hits += count
             return self._memory[key]
         path = self._path(key)
         if path is not None and path.exists():
             try:
                 with open(path, "rb") as f:
                     trace = pickle.load(f)
-                if type(trace).__name__ != "MemoryTrace":
+                if not key.startswith("fact-") and type(trace).__name__ != "MemoryTrace":
                     raise TypeError(f"found a {type(trace).__name__}")
             except Exception as e:  # noqa: BLE001 - any unreadable entry is recomputed, never an error
                 notes.append(f"ignored an unreadable trace cache entry {path} ({type(e).__name__}); traced again")
@@ -373,9 +376,9 @@ class TraceCache:
                     path.unlink()
             else:
                 self._remember(key, trace)
-                self.hits += 1
+                self.hits += count
                 return trace
-        self.misses += 1
+        self.misses += count
         return None
 
     def put(self, key: str, trace: Any) -> None:
@@ -402,6 +405,23 @@ class TraceCache:
 
     def clear_memory(self) -> None:
         self._memory.clear()
+
+    def fact(
+        self, kind: str, workload: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()
+    ) -> Any:
+        """A result derived from ``workload`` (its state bytes, its BatchNorm layers, a fit's answer for
+        ``extra``'s settings), computed once and kept beside the traces, so that a repeated plan builds
+        no model and replays no allocator."""
+        try:
+            key = _digest((_library_versions(), kind, workload_digest(workload, param_dtype), _describe(extra)))
+        except Uncacheable:
+            return compute()
+        key = f"fact-{key}"
+        found = self.get(key, [], count=False)
+        if found is None:
+            found = compute()
+            self.put(key, found)
+        return found
 
 
 CACHE = TraceCache()

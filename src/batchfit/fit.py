@@ -19,7 +19,14 @@ import torch
 from .checkpointing import checkpoint_classes
 from .devices import Device, get_device
 from .errors import ConfigError, DoesNotFitError
-from .memory.estimate import Estimate, _as_workload, finish_estimate, trace_for_device, with_accumulation
+from .memory.estimate import (
+    Estimate,
+    _as_workload,
+    finish_estimate,
+    read_peak,
+    trace_for_device,
+    with_accumulation,
+)
 from .memory.scaling import TraceLine
 from .memory.trace import MemoryTrace
 from .precision import PrecisionPolicy, policy_for
@@ -146,17 +153,37 @@ class _Search:
         return self.fits(self._estimate(line.at(b), b))
 
 
+    def allocated_fits(self, line: TraceLine, b: int) -> bool:
+        """A necessary condition, without replaying the allocator: what live tensors hold (plus the
+        context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
+        trace = line.at(b)
+        if self.shard_over > 1:
+            from .memory.sharding import shard_trace
+
+            trace = shard_trace(trace, self.shard_over)
+        held = read_peak(trace, rounded=not self.device.exact).peak_bytes
+        return held + (0 if self.reserved_only else self.device.context_bytes) <= self.budget
+
+
 def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
-    """Exponential then binary search on predicted traces: the largest b predicted to fit."""
+    """The largest b predicted to fit: bracketed by the cheap allocated-bytes bound, then settled with
+    the allocator model (each replay costs a pass over the trace's events; a few near the answer)."""
     lo, hi = known_fit, known_fit * 2
-    while hi < _MAX_BATCH and search.predicted_fits(line, hi):
+    while hi < _MAX_BATCH and search.allocated_fits(line, hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if search.predicted_fits(line, mid):
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if search.allocated_fits(line, mid) else (lo, mid)
+    # lo is the most the allocated bytes allow; the reserved bytes may allow a little less.
+    if search.predicted_fits(line, lo):
+        return lo
+    hi, step = lo, 1
+    while hi - step > known_fit and not search.predicted_fits(line, hi - step):
+        hi, step = hi - step, step * 2
+    lo = max(known_fit, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if search.predicted_fits(line, mid) else (lo, mid)
     return lo
 
 
@@ -283,6 +310,36 @@ def fit(
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
     workload = with_accumulation(_as_workload(workload), accumulation_steps)
+    if not isinstance(device, SimulatedDevice) and not (isinstance(device, str) and device.strip().lower() == "cuda"):
+        # A modelled device: the answer is a function of the workload and these settings alone.
+        from .cache import CACHE
+
+        dev = get_device(device)
+        settings = ("fit", dev, precision, checkpoint_classes(checkpointing, workload.checkpoint_blocks), margin,
+                    expandable_segments, shard_over, verify, max_batch_size, workload.accumulation_steps)  # fmt: skip
+        policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
+        return CACHE.fact(
+            "fit", workload, policy.param_dtype,
+            lambda: _fit(workload, dev, precision, checkpointing, margin, expandable_segments, shard_over, verify,
+                         max_batch_size, progress),
+            extra=settings,
+        )  # fmt: skip
+    return _fit(workload, device, precision, checkpointing, margin, expandable_segments, shard_over, verify,
+                max_batch_size, progress)  # fmt: skip
+
+
+def _fit(
+    workload: Any,
+    device: str | Device | SimulatedDevice,
+    precision: str,
+    checkpointing: Any,
+    margin: float,
+    expandable_segments: bool,
+    shard_over: int,
+    verify: bool,
+    max_batch_size: int | None,
+    progress: Callable[[str], None] | None,
+) -> FitResult:
     verify_real: Callable[[int], bool] | None = None
     if isinstance(device, SimulatedDevice):
         sim = device

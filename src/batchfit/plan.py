@@ -335,7 +335,7 @@ def _fit_config(
     # The whole share as one micro-batch (no accumulation: no gradients alive in its forward) may fit
     # where the accumulating step does not: one more trace settles it for the plan; an alternative is
     # checked only where the accumulating step overshoots by about its gradients.
-    if result is not None and (verify or _may_fit_whole(result, accumulating, dev, config, share, shards)):
+    if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
         ck = config.checkpointing
         whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share)
         if whole.device_total_bytes <= result.capacity_bytes:
@@ -343,7 +343,12 @@ def _fit_config(
     return None if result is None else _Fitted(config, result, accumulating)
 
 
-def _may_fit_whole(result: FitResult, wl: Any, dev: Device, config: _Config, share: int, shards: int) -> bool:
+def _may_fit_whole(
+    result: FitResult, wl: Any, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
+) -> bool:
+    """Whether the plain step of the whole share could fit although the accumulating step at the share
+    does not: only if it overshoots by about the gradients (alive in the accumulating step only), with
+    an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
     from .memory.states import state_bytes
     from .precision import policy_for
 
@@ -360,6 +365,8 @@ def _may_fit_whole(result: FitResult, wl: Any, dev: Device, config: _Config, sha
     est = finish_estimate(trace, wl, share, dev, policy, ())
     overshoot = est.device_total_bytes - result.capacity_bytes
     slack = 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards) + (20 << 20)  # + one segment
+    if generous:
+        slack += result.capacity_bytes // 10
     return overshoot <= slack
 
 
@@ -430,16 +437,12 @@ def fit_estimate_at(
 
 
 def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
-    try:
-        from .advice.batchnorm import batchnorm_advice
-    except ImportError:
-        return ()
-    if isinstance(wl.model, type(None)):
-        return ()
+    from .advice.batchnorm import advice_for_layers, layer_facts
+    from .cache import CACHE
     from .memory.trace import fake_model
 
-    model = fake_model(wl)
-    text = batchnorm_advice(model, micro, global_batch_size, gpus)
+    layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
+    text = advice_for_layers(layers, micro, global_batch_size, gpus)
     return (text,) if text else ()
 
 

@@ -46,13 +46,6 @@ def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
     ]
 
 
-def _normalised_over(layer: _BatchNorm, micro_batch_size: int, world_size: int) -> int:
-    """Items one forward pass of ``layer`` takes its statistics from."""
-    if isinstance(layer, nn.SyncBatchNorm) and world_size > 1:
-        return micro_batch_size * world_size
-    return micro_batch_size
-
-
 def batchnorm_advice(
     model: nn.Module, micro_batch_size: int, global_batch_size: int, world_size: int = 1
 ) -> str | None:
@@ -68,20 +61,35 @@ def batchnorm_advice(
         None when no BatchNorm layer is affected, else what was observed, why it matters and the
         concrete changes (a micro-batch size, a layer, a conversion call).
     """
+    return advice_for_layers(layer_facts(model), micro_batch_size, global_batch_size, world_size)
+
+
+def layer_facts(model: nn.Module) -> list[tuple[str, str, bool]]:
+    """``(name, class name, is SyncBatchNorm)`` of each layer ``batchnorm_layers`` finds."""
+    return [(name, type(m).__name__, isinstance(m, nn.SyncBatchNorm)) for name, m in batchnorm_layers(model)]
+
+
+def advice_for_layers(
+    layers: list[tuple[str, str, bool]], micro_batch_size: int, global_batch_size: int, world_size: int = 1
+) -> str | None:
+    """``batchnorm_advice`` from the layers' ``(name, class name, is SyncBatchNorm)`` alone (what a plan
+    keeps of a model, so that a repeated plan need not build it)."""
+    # Items one forward pass takes its statistics from: SyncBatchNorm normalises over every rank at once.
     affected = [
-        (name, layer, over)
-        for name, layer in batchnorm_layers(model)
-        if (over := _normalised_over(layer, micro_batch_size, world_size)) < global_batch_size
+        (name, cls, sync, over)
+        for name, cls, sync in layers
+        if (over := micro_batch_size * world_size if sync and world_size > 1 else micro_batch_size)
+        < global_batch_size
     ]
     if not affected:
         return None
-    smallest = min(over for _, _, over in affected)
-    names = ", ".join(f"{name or '<root>'} ({type(layer).__name__})" for name, layer, _ in affected[:3])
+    smallest = min(over for *_, over in affected)
+    names = ", ".join(f"{name or '<root>'} ({cls})" for name, cls, _, _ in affected[:3])
     more = f" and {len(affected) - 3} more" if len(affected) > 3 else ""
     plural = "s" if len(affected) > 1 else ""
     per_rank = -(-global_batch_size // max(world_size, 1))
     updates = -(-per_rank // micro_batch_size)  # forward passes per optimizer step on one rank
-    plain = any(not isinstance(layer, nn.SyncBatchNorm) for _, layer, _ in affected)
+    plain = any(not sync for _, _, sync, _ in affected)
     if world_size == 1:
         remedies = [f"a micro-batch of {global_batch_size} if it fits (no accumulation)"]
     elif plain:

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import gc
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,15 +81,15 @@ def fake_kernel_fixes() -> Iterator[None]:
     its meta kernel accepts bf16 only (the restriction of early CUDA kernels), while the CPU kernel,
     and CUDA's on recent torch, take fp32 and fp16 too; a fp32 MoE model would fail to trace.
     """
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        if hasattr(torch.ops.aten, "_grouped_mm"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-                lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+    import torch._meta_registrations as meta_registrations
+
+    from . import overrides
+
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        strict = getattr(meta_registrations, "meta_grouped_mm", _grouped_mm_meta)  # torch's own, outside traces
+        overrides.register("relaxed meta", "_grouped_mm", "Meta", _grouped_mm_meta, strict)
+    with overrides.enabled("relaxed meta"):
         yield
-    finally:
-        lib._destroy()
 
 
 _LRU_WRAPPERS: tuple[int, list[Any]] = (-1, [])
@@ -162,57 +161,69 @@ def _pad_packed(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool
     return output, lengths_t
 
 
-def _pack_padded_backward(grad: torch.Tensor, input_size: Any, batch_sizes: torch.Tensor,
+def _pack_padded_backward(grad: torch.Tensor, input_size: Any, batch_sizes: list[int],
                           batch_first: bool) -> torch.Tensor:  # fmt: skip
-    """``aten::_pack_padded_sequence_backward`` as ``PackedSequence.cpp`` runs it, sizes read in Python."""
+    """``aten::_pack_padded_sequence_backward`` as ``PackedSequence.cpp`` runs it, sizes known in Python."""
     size = list(input_size)
     if batch_first:
         size[0], size[1] = size[1], size[0]
     grad_input = torch.zeros(size, dtype=grad.dtype)
     offset = 0
-    for i, b in enumerate(_real_long(batch_sizes, lambda: torch.full(batch_sizes.shape, size[1])).tolist()):
+    for i, b in enumerate(batch_sizes):
         grad_input[i][:b].copy_(grad[offset : offset + b])
         offset += b
     return grad_input.transpose(0, 1) if batch_first else grad_input
+
+
+class _Pack(torch.autograd.Function):
+    """``_pack_padded_sequence`` on real lengths, with its backward in Python: the C++ backward reads
+    the batch sizes it saved through a raw pointer, and under a trace those would be fake."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> Any:
+        vf_pack = torch._C._VariableFunctions._pack_padded_sequence
+        data, batch_sizes = vf_pack(input, lengths, batch_first)
+        if isinstance(batch_sizes, FakeTensor):
+            with _disable_current_modes():
+                dummy = torch.zeros(int(lengths.max()), lengths.numel(), 1)  # (t, b, 1): only its shape matters
+                real = vf_pack(dummy, lengths, False)[1]
+            adopt(batch_sizes, real)
+            batch_sizes = real
+        ctx.input_size = tuple(input.shape)
+        ctx.batch_sizes = batch_sizes.tolist()
+        ctx.batch_first = batch_first
+        ctx.mark_non_differentiable(batch_sizes)
+        return data, batch_sizes
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:
+        return _pack_padded_backward(grad, ctx.input_size, ctx.batch_sizes, ctx.batch_first), None, None
 
 
 @contextlib.contextmanager
 def packed_sequences() -> Iterator[None]:
     """Run the packed-sequence kernels on real lengths and batch sizes.
 
-    ``_pack_padded_sequence``, ``_pad_packed_sequence``, their backward and the packed RNN kernels
-    read ``lengths`` / ``batch_sizes`` (small CPU int64 tensors) through raw pointers, below the
-    dispatcher, so fake ones fail ("data is not allocated") where no mode can answer. The lengths'
+    ``_pack_padded_sequence``, ``_pad_packed_sequence``, the first's backward and the packed RNN
+    kernels read ``lengths`` / ``batch_sizes`` (small CPU int64 tensors) through raw pointers, below
+    the dispatcher, so fake ones fail ("data is not allocated") where no mode can answer. The lengths'
     value is usually known to the trace (``memory/values.py``; unknown lengths are taken as
     full-length sequences, the most memory); the batch sizes are made by the real kernel from a
-    one-feature dummy and become the value of the fake ones. The two composites that also *write*
-    through raw pointers run as their Python equivalents, op for op, so autograd sees the same ops.
+    one-feature dummy and become the value of the fake ones. What the C++ composites do through raw
+    pointers runs as its Python equivalent, op for op, so autograd sees the same ops.
     """
     vf = torch._VF
-    original = vf._pack_padded_sequence
 
     def pack(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> Any:
         full = input.shape[1] if batch_first else input.shape[0]
         lengths = _real_long(lengths, lambda: torch.full(tuple(lengths.shape), full, dtype=torch.int64))
-        data, batch_sizes = original(input, lengths, batch_first)
-        if isinstance(batch_sizes, FakeTensor):
-            with _disable_current_modes():
-                dummy = torch.zeros(int(lengths.max()), lengths.numel(), 1)  # (t, b, 1): only its shape matters
-                real = original(dummy, lengths, False)[1]
-            adopt(batch_sizes, real)
-            batch_sizes = real
-        return data, batch_sizes
+        return _Pack.apply(input, lengths, batch_first)
 
-    lib = torch.library.Library("aten", "IMPL")
     vf._pack_padded_sequence = pack
     vf._pad_packed_sequence = _pad_packed
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-            lib.impl("_pack_padded_sequence_backward", _pack_padded_backward, "CompositeImplicitAutograd")
         yield
     finally:
-        lib._destroy()
         del vf._pack_padded_sequence, vf._pad_packed_sequence
 
 

@@ -275,25 +275,46 @@ def _overload(qualified: str) -> Any:
     return getattr(packet, overload or "default", None)
 
 
+def _no_policy(op: Any) -> Callable:
+    """What AutocastCPU does for an op it has no kernel for: nothing (the op runs as called)."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+_CHANGED: list[str] = []
+
+
+def _register_autocast_policy() -> list[str]:
+    """Register CUDA's policy for the ops CPU autocast leaves alone, once (``memory/overrides.py``)."""
+    from . import overrides
+
+    if _CHANGED:
+        return _CHANGED
+    for names, make in ((CUDA_FP32_OPS, _fp32_kernel), (CUDA_FP32_OPT_DTYPE_OPS, _fp32_opt_dtype_kernel)):
+        for qualified in names:
+            op = _overload(qualified)
+            if op is None:
+                continue
+            schema_name = op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
+            if torch._C._dispatch_has_kernel_for_dispatch_key(schema_name, "AutocastCPU"):
+                continue  # CPU autocast already has a policy for it; keep the CPU's own
+            overrides.register("cuda autocast", qualified, "AutocastCPU", make(op), _no_policy(op))
+            _CHANGED.append(qualified)
+    return _CHANGED
+
+
 @contextlib.contextmanager
 def cuda_autocast_policy() -> Iterator[list[str]]:
     """While active, CPU autocast casts like CUDA autocast (NOTE, item 3); yields the ops changed."""
-    lib = torch.library.Library("aten", "IMPL")
-    changed = []
-    try:
-        for names, make in ((CUDA_FP32_OPS, _fp32_kernel), (CUDA_FP32_OPT_DTYPE_OPS, _fp32_opt_dtype_kernel)):
-            for qualified in names:
-                op = _overload(qualified)
-                if op is None:
-                    continue
-                schema_name = op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
-                if torch._C._dispatch_has_kernel_for_dispatch_key(schema_name, "AutocastCPU"):
-                    continue  # CPU autocast already has a policy for it; keep the CPU's own
-                lib.impl(qualified, make(op), "AutocastCPU")
-                changed.append(qualified)
-        yield changed
-    finally:
-        lib._destroy()
+    from . import overrides
+
+    changed = _register_autocast_policy()
+    with overrides.enabled("cuda autocast"):
+        yield list(changed)
 
 
 def cuda_emulation(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractContextManager]:

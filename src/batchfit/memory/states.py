@@ -48,19 +48,14 @@ def _storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-_MEMO: dict[tuple[str, str], StateBytes] = {}
-
-
 def state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
     """The parameters, gradients and optimizer states of ``workload`` in ``param_dtype`` (cached)."""
-    from ..cache import Uncacheable, workload_digest
+    from ..cache import CACHE
 
-    try:
-        key: tuple[str, str] | None = (workload_digest(workload, param_dtype), str(param_dtype))
-    except Uncacheable:
-        key = None
-    if key is not None and key in _MEMO:
-        return _MEMO[key]
+    return CACHE.fact("state bytes", workload, param_dtype, lambda: _state_bytes(workload, param_dtype))
+
+
+def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
     from .construct import build_fake_model, fake_session
     from .steps import default_dtype
     from .trace import _make_optimizer
@@ -79,6 +74,4 @@ def state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
             gradients=_storage_bytes(p.grad for p in params),
             optimizer_states=_storage_bytes(states),
         )
-    if key is not None:
-        _MEMO[key] = result
     return result
