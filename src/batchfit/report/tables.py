@@ -51,10 +51,12 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     device.add_row("peak sits in", f"{est.peak_phase} of step {est.peak_step + 1}")
     device.add_row("peak allocated", format_bytes(est.peak_allocated_bytes))
     device.add_row("peak reserved (allocator cache)", format_bytes(est.peak_reserved_bytes))
-    if est.context_bytes:
-        device.add_row("CUDA context", format_bytes(est.context_bytes))
+    if est.context_bytes or getattr(est, "context_source", ""):
+        device.add_row(f"CUDA context ({est.context_source or 'default'})", format_bytes(est.context_bytes))
     if est.workspace_bytes:
         device.add_row("cuBLAS workspaces (in reserved)", format_bytes(est.workspace_bytes))
+    if getattr(est, "cudnn_workspace_bytes", 0):
+        device.add_row("largest cuDNN conv workspace (transient)", format_bytes(est.cudnn_workspace_bytes))
     device.add_row("device total (nvidia-smi)", format_bytes(est.device_total_bytes))
     if est.capacity_bytes is not None:
         device.add_row("capacity", format_bytes(est.capacity_bytes))
@@ -70,6 +72,8 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     for name, value in list(est.per_module.items())[:top_modules]:
         modules.add_row(name, format_bytes(value), _pct(value, est.peak_allocated_bytes))
     parts: list[Any] = [breakdown, device, modules]
+    if getattr(est, "context_assumption", ""):
+        parts.append(Text(f"CUDA context: {est.context_assumption}", style="dim"))
     notes = getattr(est, "notes", ())
     if notes:
         parts.append(Text("assumed while tracing:\n" + "\n".join(f"  - {n}" for n in notes), style="yellow"))
@@ -111,6 +115,8 @@ def fit_table(result: Any) -> Group:
     head.add_row("precision", result.precision + (" + checkpointing" if result.checkpointing else ""))
     head.add_row("budget", format_bytes(result.capacity_bytes))
     head.add_row("device total at the maximum", format_bytes(result.estimate.device_total_bytes))
+    if getattr(result.estimate, "context_assumption", ""):
+        head.add_row("CUDA context", result.estimate.context_assumption)
     head.add_row("steps traced or run", str(result.trials))
     attempts = Table(title="attempts", title_justify="left")
     for col in ("batch", "kind", "device total", "fits"):
@@ -144,6 +150,8 @@ def plan_table(plan: Any) -> Group:
     head.add_row("remedies applied", ", ".join(plan.remedies) or "none needed")
     head.add_row("largest micro-batch that fits", str(plan.max_micro_batch_size))
     head.add_row("memory per GPU", format_bytes(plan.estimate.device_total_bytes))
+    if getattr(plan.estimate, "context_assumption", ""):
+        head.add_row("CUDA context", plan.estimate.context_assumption)
     head.add_row("headroom per GPU", format_bytes(plan.headroom_bytes))
     head.add_row("items per step", str(plan.items_per_step))
     if plan.tokens_per_step:
