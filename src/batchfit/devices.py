@@ -108,6 +108,9 @@ class Device:
             each call's operand bytes, with cuDNN's heuristics; None: the model's assumption
             (``memory/cudnn.py``).
         conv_workspace_benchmark: the same with ``torch.backends.cudnn.benchmark = True``.
+        cudnn_benchmark: the step runs with ``torch.backends.cudnn.benchmark = True`` (``--cudnn-benchmark``;
+            the process's own flag counts too), which picks faster convolution engines with larger
+            workspaces.
     """
 
     name: str
@@ -126,6 +129,7 @@ class Device:
     context_detail: str = ""
     conv_workspace: ConvWorkspace | None = None
     conv_workspace_benchmark: ConvWorkspace | None = None
+    cudnn_benchmark: bool = False
 
     @property
     def exact(self) -> bool:

@@ -14,12 +14,15 @@ import typer
 
 from ..errors import BatchfitError, ConfigError
 from . import options as opts
+from .calibrate import calibrate
 from .options import (
     AccumulationOpt,
     BaseBatchSizeOpt,
     BaseLrOpt,
     CheckpointingOpt,
     ContextOpt,
+    CudaLoadingOpt,
+    CudnnBenchmarkOpt,
     DeviceOpt,
     JsonOpt,
     LoraOpt,
@@ -29,6 +32,7 @@ from .options import (
     OptimizerOpt,
     PrecisionOpt,
     PresetArg,
+    ProfileOpt,
     SeqLenOpt,
     SetOpt,
     TaskOpt,
@@ -66,6 +70,9 @@ def estimate(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    cuda_loading: CudaLoadingOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
@@ -74,7 +81,7 @@ def estimate(
 
     check_batch_size(batch_size, "--batch-size")
     check_batch_size(accumulation_steps, "--accumulation-steps")
-    dev = opts.device(device, context_mib)
+    dev = opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark)
     wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
     est = run_estimate(
         wl,
@@ -143,6 +150,9 @@ def fit_command(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    cuda_loading: CudaLoadingOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
@@ -153,7 +163,7 @@ def fit_command(
 
     result = fit(
         opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
-        opts.device(device, context_mib),
+        opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark),
         precision=precision,
         checkpointing="blocks" if checkpointing else None,
         margin=margin,
@@ -191,6 +201,9 @@ def plan_command(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    cuda_loading: CudaLoadingOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
@@ -199,7 +212,7 @@ def plan_command(
     result = plan(
         opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
         global_batch_size,
-        device=opts.device(device, context_mib),
+        device=opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark),
         gpus=gpus,
         precision=precision,
         checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
@@ -270,6 +283,7 @@ def sweep_command(
 
 app.command()(report)
 app.command()(train)
+app.command()(calibrate)
 
 
 @app.command()

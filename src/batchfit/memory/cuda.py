@@ -50,6 +50,7 @@ Limitations:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,13 +81,17 @@ class CudaKernels:
 
     Args:
         device: the GPU (its cuBLAS workspace, handles and measured cuDNN workspace ratios).
-        cudnn_flags: ``torch.backends.cudnn``'s settings for the step; default: this process's.
+        cudnn_flags: ``torch.backends.cudnn``'s settings for the step; default: this process's
+            (``device.cudnn_benchmark`` turns benchmark on as well).
     """
 
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
         self.device = device
         self._handles: set[str] = set()
-        self.cudnn_flags = cudnn_flags if cudnn_flags is not None else cudnn.CudnnFlags.current()
+        flags = cudnn_flags if cudnn_flags is not None else cudnn.CudnnFlags.current()
+        if device.cudnn_benchmark and not flags.benchmark:
+            flags = dataclasses.replace(flags, benchmark=True)
+        self.cudnn_flags = flags
         self._conv_ratios = cudnn.ratios_for(device, self.cudnn_flags)
 
     def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:

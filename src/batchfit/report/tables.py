@@ -199,3 +199,36 @@ def sweep_table(result: Any) -> Table:
             ", ".join(mark),
         )
     return table
+
+
+def profile_table(profile: Any, path: str) -> Group:
+    """A device profile: who it is for, the measured context and workspaces, and where it was written."""
+    head = Table(show_header=False, title=f"device profile: {profile.gpu.name}", title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    gpu = profile.gpu
+    head.add_row("driver / CUDA / torch", f"{gpu.driver} / {gpu.cuda} / {gpu.torch}")
+    head.add_row("cuDNN", str(profile.cudnn_version or "-"))
+    head.add_row("memory", format_bytes(profile.total_bytes))
+    head.add_row("module loading", profile.module_loading)
+    head.add_row("allocator", f"{profile.allocator_backend}, PYTORCH_CUDA_ALLOC_CONF={profile.alloc_conf or '(unset)'}")
+    head.add_row("context after the first CUDA op", format_bytes(profile.bare_context_bytes))
+    head.add_row("context after training steps", format_bytes(profile.context_bytes))
+    head.add_row("context after cuDNN benchmark runs", format_bytes(profile.context_benchmark_bytes))
+    head.add_row(
+        "cuBLAS + cuBLASLt workspace",
+        f"{format_bytes(profile.cublas_workspace_bytes)} per handle x {profile.cublas_handles}",
+    )
+    head.add_row("steps measured", ", ".join(profile.steps) or "-")
+    ratios = Table(title="cuDNN convolution workspace per operand byte (largest measured)", title_justify="left")
+    for col in ("mode", "forward", "backward data", "backward filter"):
+        ratios.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, r in (("heuristics", profile.conv_workspace), ("benchmark", profile.conv_workspace_benchmark)):
+        ratios.add_row(mode, f"{r.forward:.3f}", f"{r.backward_data:.3f}", f"{r.backward_filter:.3f}")
+    rows = Table(title="measured convolutions", title_justify="left")
+    for col in ("shape", "dtype", "direction", "mode", "operands", "workspace"):
+        rows.add_column(col, justify="left" if col in ("shape", "dtype", "direction", "mode") else "right")
+    for m in profile.conv_measurements:
+        rows.add_row(m.shape, m.dtype, m.direction, "benchmark" if m.benchmark else "heuristics",
+                     format_bytes(m.operand_bytes), format_bytes(m.workspace_bytes))  # fmt: skip
+    return Group(head, ratios, rows, Text(f"written to {path}", style="green"))
