@@ -121,7 +121,7 @@ def resolve_device(
             stored, path = found
             device = stored.apply(device, str(path), benchmark=cudnn_benchmark)
             notes.append(f"using the device profile {path} ({stored.gpu.describe()})")
-    if device.context_source != "profile" and device.kind == "cuda" and mode == "eager":
+    if device.context_source != "profile" and mode == "eager" and (device.kind == "cuda" or cuda_loading):
         device = device.with_eager_loading("--cuda-loading eager" if cuda_loading else reason)
         if not cuda_loading:
             notes.append(f"{reason}: assuming eager module loading, context {device.describe_context()}")
