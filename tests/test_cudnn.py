@@ -221,6 +221,15 @@ def test_tensors_that_need_64_bit_indexing_avoid_cudnn() -> None:
     assert len(_forward(_meta(4, 2, 16384, 16384), _meta(2, 2, 1, 1))) == 1  # 2**29 per item: split, cuDNN
 
 
+def test_one_value_stands_for_every_spatial_dimension() -> None:
+    x, w = _meta(2, 4, 16, 16), _meta(8, 4, 3, 3)  # "valid": output (2, 8, 14, 14)
+    args = (x, w, None, [1], [0], [1], False, [0], 1)
+    expected = (2 * 4 * 256 + 8 * 4 * 9 + 2 * 8 * 14 * 14) * F32
+    assert workspaces(torch.ops.aten.convolution.default, args, {}, HEUR, ON) == [cudnn.ConvCall(FORWARD, expected)]
+    same = _trace(_workload(nn.Conv2d(4, 8, 3, padding="same", bias=False), shape=(4, 16, 16)))
+    assert _conv_scratch(same, "forward") == [(FORWARD, CONV1)]
+
+
 def test_empty_batches_make_no_call() -> None:
     assert _forward(_meta(0, 8, 16, 16), _meta(8, 8, 3, 3)) == []
 

@@ -153,8 +153,9 @@ def workspaces(func: Any, args: tuple, kwargs: dict, ratios: ConvWorkspace, flag
             directions.append(BACKWARD_FILTER)
     else:
         return []
-    stride, padding, dilation = list(p["stride"]), list(p["padding"]), list(p["dilation"])
-    groups, output_padding = int(p["groups"]), list(p["output_padding"])
+    k = x.dim() - 2
+    stride, padding, dilation = _expand(p["stride"], k), _expand(p["padding"], k), _expand(p["dilation"], k)
+    groups, output_padding = int(p["groups"]), _expand(p["output_padding"], k)
     out_shape = list(out.shape) if out is not None else _output_shape(x, w, stride, padding, dilation, transposed,
                                                                       output_padding, groups)  # fmt: skip
     if not directions or _numel(out_shape) == 0 or x.shape[0] == 0 or x.shape[1] == 0:
@@ -253,6 +254,12 @@ _NAMES = {
 
 def _params(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**dict(zip(_NAMES[func], args)), **kwargs}
+
+
+def _expand(values: Any, k: int) -> list[int]:
+    """``expand_param_if_needed``: one value stands for every spatial dimension (``padding="valid"`` gives [0])."""
+    values = [int(v) for v in values] if isinstance(values, (list, tuple)) else [int(values)]
+    return values * k if len(values) == 1 else values
 
 
 def _numel(shape: list[int]) -> int:
