@@ -135,6 +135,7 @@ class FakeNvml:
                  driver: bytes | str = b"580.65.06") -> None:  # fmt: skip
         self.used, self.processes, self.missing, self.driver = used, processes or {}, missing, driver
         self.shutdowns = 0
+        self.handles: list[int | str] = []
 
     def nvmlInit(self) -> None:
         if self.missing:
@@ -146,10 +147,12 @@ class FakeNvml:
     def nvmlSystemGetDriverVersion(self) -> bytes | str:
         return self.driver
 
-    def nvmlDeviceGetHandleByPciBusId(self, bus: bytes) -> str:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        self.handles.append(uuid)
         return "handle"
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        self.handles.append(index)
         return "handle"
 
     def nvmlDeviceGetMemoryInfo(self, handle: str) -> SimpleNamespace:

@@ -93,6 +93,14 @@ def test_nvml_figure_of_this_process_or_the_device_less_the_baseline() -> None:
     assert TorchGpu(cuda=FakeCuda(), nvml=FakeNvml(missing=True), device="cpu").process_used() is None
 
 
+@pytest.mark.parametrize(("visible", "handle"), [(None, 0), ("2,3", 2), ("GPU-8f2a", "GPU-8f2a"), ("", 0)])
+def test_nvml_finds_the_gpu_cuda_calls_device_0(visible: str | None, handle: int | str) -> None:
+    nvml = FakeNvml(used=MiB)
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    TorchGpu(cuda=FakeCuda(), nvml=nvml, device="cpu", environ=environ)
+    assert nvml.handles == [handle]
+
+
 def test_identity_and_settings_through_the_seams() -> None:
     gpu = TorchGpu(cuda=FakeCuda(), nvml=FakeNvml(driver=b"580.65.06"), device="cpu", environ={})
     ident = gpu.identity()

@@ -262,6 +262,9 @@ class TorchGpu:
             return None
 
     def _nvml_handle(self) -> Any:
+        """NVML's handle of the GPU CUDA calls device 0, found without a CUDA call (so the baseline read in
+        ``__init__`` precedes this process's context): ``CUDA_VISIBLE_DEVICES``'s first entry (an index or
+        a UUID), else NVML's device 0."""
         if self._handle is not None:
             return self._handle
         try:
@@ -270,12 +273,11 @@ class TorchGpu:
 
                 self._nvml = pynvml
             self._nvml.nvmlInit()
-            props = self.cuda.get_device_properties(self.cuda.current_device())
-            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-            try:
-                self._handle = self._nvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
-            except Exception:  # noqa: BLE001 - CUDA_VISIBLE_DEVICES unset: index 0 is the same device
-                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self.cuda.current_device())
+            first = self.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+            if first.startswith(("GPU-", "MIG-")):
+                self._handle = self._nvml.nvmlDeviceGetHandleByUUID(first)
+            else:
+                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0)
         except Exception:  # noqa: BLE001 - no NVML: process_used says None
             self._handle = None
         return self._handle
