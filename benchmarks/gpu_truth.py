@@ -265,7 +265,8 @@ def worker(name: str, quick: bool, profile_path: str | None) -> int:
             row["seconds"] = round(time.perf_counter() - start, 1)
             print(json.dumps(row), flush=True)
     if case.fit and (case.quick_fit or not quick):
-        print(json.dumps(_fit_row(case, workload, device, profiled, base)), flush=True)
+        # --quick leaves out the profile's fit: four more traces per case
+        print(json.dumps(_fit_row(case, workload, device, None if quick else profiled, base)), flush=True)
     return 0
 
 
