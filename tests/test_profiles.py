@@ -201,7 +201,10 @@ def test_the_context_choice() -> None:
     dev, notes = _resolve("V100-16GB", environ={"CUDA_MODULE_LOADING": "EAGER"})
     assert (dev.context_source, dev.context_bytes, dev.context_detail) == ("eager", 1341 * MiB,
                                                                            "CUDA_MODULE_LOADING=EAGER")  # fmt: skip
-    assert notes == (f"CUDA_MODULE_LOADING=EAGER: assuming eager module loading, context {dev.describe_context()}",)
+    assert notes == ("CUDA_MODULE_LOADING=EAGER: assuming eager module loading, a CUDA context of 1.31 GiB",)
+    assert dev.describe_context() == (
+        "1.31 GiB: eager module loading (CUDA_MODULE_LOADING=EAGER), Hugging Face's V100 / CUDA 11.2 figure"
+    )
     old = resolve_device("V100-16GB", environ={}, cuda_version="11.2", local=lambda: None, cudnn_benchmark=False)
     assert old.device.context_source == "eager" and "CUDA 11.2 predates" in old.notes[0]
     dev, notes = _resolve("V100-16GB", cuda_loading="eager")

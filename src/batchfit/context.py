@@ -25,6 +25,7 @@ from typing import Any
 
 from .devices import LAZY_LOADING_MIN_CUDA, Device, get_device
 from .errors import ConfigError, ProfileError, UnknownNameError
+from .units import format_bytes
 
 LOADING_MODES = ("lazy", "eager")
 
@@ -124,7 +125,8 @@ def resolve_device(
     if device.context_source != "profile" and mode == "eager" and (device.kind == "cuda" or cuda_loading):
         device = device.with_eager_loading("--cuda-loading eager" if cuda_loading else reason)
         if not cuda_loading:
-            notes.append(f"{reason}: assuming eager module loading, context {device.describe_context()}")
+            size = format_bytes(device.context_bytes)
+            notes.append(f"{reason}: assuming eager module loading, a CUDA context of {size}")
     if context_mib is not None:
         device = device.with_overrides(context_bytes=int(context_mib * 2**20))
     if cudnn_benchmark and device.kind == "cuda":

@@ -196,7 +196,7 @@ class Device:
             return "no CUDA context (cpu)"
         size = format_bytes(self.context_bytes)
         if self.context_source == "eager":
-            return f"{size}: eager module loading ({self.context_detail}); published figure, HF V100 CUDA 11.2"
+            return f"{size}: eager module loading ({self.context_detail}), Hugging Face's V100 / CUDA 11.2 figure"
         if self.context_source == "profile":
             return f"{size}: measured by batchfit calibrate ({self.context_detail})"
         if self.context_source == "override":

@@ -34,7 +34,10 @@ Sources: PyTorch's ``aten/src/ATen/native/Convolution.cpp`` (``_select_conv_back
    without the GPU. The model assumes room for a copy of every operand: PyTorch's tensors are NCHW
    while cuDNN's tensor-core engines work in NHWC, so an engine transposes the input and filter into
    its workspace and writes the output there before transposing it back (NVIDIA's channels-last
-   guidance; the PyTorch forum's cuDNN answers say the same). The workspace is taken as
+   diagram as MosaicML's "Channels Last" method card shows it; "cudnn can internally transpose your
+   NCHW data to NHWC if a faster kernel can be found", discuss.pytorch.org/t/123686). The v8 path is
+   PyTorch's default (``TORCH_CUDNN_V8_API_DISABLED=1`` falls back to ``Conv_v7.cpp``, whose
+   ``AlgoIterator::try_all`` allocates each algorithm's workspace the same way). The workspace is taken as
    ``1.0 x (input + weight + output)`` bytes in every direction (the three operands of a backward call
    have the same shapes). Channels-last tensors need no transposition, but split-K and Winograd engines
    keep partial sums and transformed tiles; the same size is assumed for them, the conservative side.
