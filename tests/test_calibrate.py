@@ -66,9 +66,10 @@ def test_a_direction_without_measurements_keeps_the_models_ratio() -> None:
 
 
 # -- the real GPU's seams ------------------------------------------------------------------------------
-def test_no_gpu_here_is_one_clear_error() -> None:
+def test_no_gpu_here_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as here, even where tests run on a GPU
     with pytest.raises(NoGpuError, match="no CUDA GPU is visible"):
-        TorchGpu()  # this machine's torch.cuda
+        TorchGpu()  # torch.cuda itself
     with pytest.raises(NoGpuError):
         TorchGpu(cuda=FakeCuda(available=False))
 

@@ -238,7 +238,8 @@ def _one_line(code: int, out: str, err: str, fragment: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("batchfit: error:") and fragment in lines[0], err
 
 
-def test_calibrate_without_a_gpu_says_so_in_one_line(capsys) -> None:
+def test_calibrate_without_a_gpu_says_so_in_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as here, even where tests run on a GPU
     _one_line(*_run(capsys, "calibrate"), "no CUDA GPU is visible here")
 
 
