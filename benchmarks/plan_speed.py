@@ -37,8 +37,9 @@ TARGET_WARM_SECONDS = 1.0
 def _worker(kind: str, name: str, global_batch_size: int, device: str, gpus: int) -> dict[str, Any]:
     start = time.perf_counter()
     if kind == "startup":  # what every command that traces pays before its first trace
-        import batchfit.plan  # noqa: F401
         from torch._subclasses.fake_tensor import FakeTensorMode
+
+        import batchfit.plan  # noqa: F401
 
         FakeTensorMode()
         return {"seconds": time.perf_counter() - start}

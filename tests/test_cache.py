@@ -55,6 +55,22 @@ def test_model_optimizer_batch_and_batch_size_changes_are_new_traces() -> None:
     assert _misses(lambda: batchfit.estimate(wl, 4, device="A100-80GB")) == 0  # only the capacity differs
 
 
+def test_cudnn_settings_are_part_of_a_trace_and_of_a_fit() -> None:
+    wl = presets.get("cnn", image_size=16, width=8, stages=2)
+    heuristic = _estimate(wl)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True):  # faster engines, larger workspaces
+        assert _misses(lambda: _estimate(wl)) == 1
+        benchmarked = _estimate(wl)
+    assert benchmarked.cudnn_workspace_bytes > heuristic.cudnn_workspace_bytes > 0
+    marked = dataclasses.replace(batchfit.get_device("A100-40GB"), cudnn_benchmark=True)  # --cudnn-benchmark
+    assert batchfit.estimate(wl, 4, device=marked).cudnn_workspace_bytes == benchmarked.cudnn_workspace_bytes
+    assert _misses(lambda: _estimate(wl)) == 0
+    fit = batchfit.fit(wl, "A100-40GB", max_batch_size=64)
+    with torch.backends.cudnn.flags(enabled=False):
+        assert batchfit.fit(wl, "A100-40GB", max_batch_size=64).estimate.cudnn_workspace_bytes == 0
+    assert fit.estimate.cudnn_workspace_bytes > 0
+
+
 def test_a_changed_model_class_is_a_new_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = (
         "import torch\nfrom torch import nn\n"

@@ -236,8 +236,8 @@ def _changed_fields(before: Device, after: Device) -> set[str]:
 def test_with_overrides_changes_only_the_field_given():
     base = get_device("L4")
     ctx = base.with_overrides(context_bytes=700 * 2**20)
-    assert _changed_fields(base, ctx) == {"context_bytes"}
-    assert ctx.context_bytes == 700 * 2**20
+    assert _changed_fields(base, ctx) == {"context_bytes", "context_source", "context_detail"}
+    assert (ctx.context_bytes, ctx.context_source, ctx.context_detail) == (700 * 2**20, "override", "--context-mib")
     assert ctx.usable_bytes == base.total_bytes - 700 * 2**20
     total = base.with_overrides(total_bytes=20 * 2**30)
     assert _changed_fields(base, total) == {"total_bytes"}

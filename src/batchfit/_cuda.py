@@ -58,3 +58,37 @@ def cuda_step_fits(
         del model, optimizer
         gc.collect()
         cuda.empty_cache()
+
+
+def gpu_identity(cuda: Any = torch.cuda, nvml: Any = None) -> Any:
+    """This machine's GPU, driver, CUDA and torch (a ``profiles.GpuIdentity``), or None without a GPU.
+
+    ``cuda`` and ``nvml`` (the ``pynvml`` module) are seams that tests replace with fakes.
+    """
+    from .profiles import GpuIdentity
+
+    if not cuda.is_available():
+        return None
+    props = cuda.get_device_properties(cuda.current_device())
+    return GpuIdentity(name=str(props.name), driver=driver_version(nvml), cuda=str(torch.version.cuda),
+                       torch=str(torch.__version__))  # fmt: skip
+
+
+def driver_version(nvml: Any = None) -> str:
+    """The display driver's version from NVML (``"580.65.06"``), or ``"unknown"`` without NVML."""
+    try:
+        if nvml is None:
+            import pynvml as nvml  # nvidia-ml-py
+        nvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, ImportError: NVML is optional
+        return "unknown"
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        return "unknown"
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: S110 - shutting down a library that failed is not an error
+            pass

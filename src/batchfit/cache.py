@@ -207,9 +207,7 @@ def describe_model(model: Any) -> Any:
             for k, t in [*module._parameters.items(), *module._buffers.items()]
             if t is not None
         ]
-        simple = sorted(
-            (k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _SIMPLE)
-        )
+        simple = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _SIMPLE))
         rows.append((name, cls.__module__, cls.__qualname__, tensors, simple))
     ties = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -314,7 +312,11 @@ def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes:
         kernel = ("cpu", platform.machine(), platform.processor(), torch.get_num_threads(),
                   torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "")  # fmt: skip
     else:
-        kernel = ("cuda", device.cublas_workspace_bytes, device.cublas_handles, device.compute_capability)
+        from .memory.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
+
+        kernel = ("cuda", device.cublas_workspace_bytes, device.cublas_handles, device.compute_capability,
+                  _describe(device.conv_workspace), _describe(device.conv_workspace_benchmark),
+                  device.cudnn_benchmark, _describe(CudnnFlags.current()))  # fmt: skip
     parts = (
         _library_versions(),
         workload_digest(workload, policy.param_dtype),
@@ -406,9 +408,7 @@ class TraceCache:
     def clear_memory(self) -> None:
         self._memory.clear()
 
-    def fact(
-        self, kind: str, workload: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()
-    ) -> Any:
+    def fact(self, kind: str, workload: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()) -> Any:
         """A result derived from ``workload`` (its state bytes, its BatchNorm layers, a fit's answer for
         ``extra``'s settings), computed once and kept beside the traces, so that a repeated plan builds
         no model and replays no allocator."""

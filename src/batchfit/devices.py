@@ -23,9 +23,10 @@ NOTE = (
     "CUDA context sizes assume CUDA >= 11.7 with lazy module loading, which PyTorch turns on by "
     "default (CUDA_MODULE_LOADING=LAZY, pytorch/pytorch#86509: 287 MB instead of 667 MB). Older CUDA, "
     "or CUDA_MODULE_LOADING=EAGER, loads every kernel at start-up and the context passes 1 GB: Hugging "
-    "Face measured 1343 MiB on a V100 with CUDA 11.2 ('Model training anatomy'). If your setup differs, "
-    "measure the context (nvidia-smi after the first CUDA op, minus torch.cuda.memory_reserved()) and "
-    "pass it with --context-mib."
+    "Face measured 1343 MiB on a V100 with CUDA 11.2 ('Model training anatomy'); --cuda-loading eager "
+    "assumes that. Better: measure it with `batchfit calibrate` on the GPU (a device profile), or measure "
+    "the context (nvidia-smi after a training step, minus torch.cuda.memory_reserved()) and pass it with "
+    "--context-mib."
 )
 
 # cuBLAS workspace per (handle, stream), from PyTorch's aten/src/ATen/cuda/CublasHandlePool.cpp,
@@ -49,6 +50,17 @@ CONTEXT_BYTES = {
     "Hopper": 512 * MiB,
     "Blackwell": 576 * MiB,
 }
+# Eager module loading (CUDA < 11.7, or CUDA_MODULE_LOADING=EAGER) loads every kernel of every library at
+# start-up. Published: 1343 MiB on nvidia-smi after ``torch.ones((1, 1)).cuda()`` on a V100, CUDA 11.2
+# (Hugging Face, "Model training anatomy"), less the 2 MiB small-pool segment that tensor left cached;
+# pytorch/pytorch#86509 measured 667 MB eager against 287 MB lazy. The larger figure is the conservative
+# one (an under-estimated context is a plan that runs out of memory), and it is never below the lazy
+# constant of the same architecture.
+EAGER_CONTEXT_BYTES = 1341 * MiB
+LAZY_LOADING_MIN_CUDA = (11, 7)
+"""The first CUDA release with lazy module loading (CUDA 11.7 release notes, ``CUDA_MODULE_LOADING``)."""
+CONTEXT_SOURCES = ("default", "eager", "profile", "override")
+"""Where a device's ``context_bytes`` comes from (see ``Device.context_source``)."""
 DEFAULT_ARCH = "Ampere"
 DEFAULT_COMPUTE_CAPABILITY = (8, 0)
 
@@ -56,6 +68,19 @@ DEFAULT_COMPUTE_CAPABILITY = (8, 0)
 def cublas_workspace_for(compute_capability: tuple[int, int]) -> int:
     """cuBLAS workspace bytes per handle that PyTorch picks by default for this compute capability."""
     return CUBLAS_WORKSPACE_BYTES_SM90 if compute_capability >= (9, 0) else CUBLAS_WORKSPACE_BYTES
+
+
+@dataclass(frozen=True)
+class ConvWorkspace:
+    """cuDNN convolution workspace of one call as a multiple of its operands' bytes (input + weight + output).
+
+    Measured per direction by ``batchfit calibrate``; ``memory/cudnn.py`` explains the model and its
+    default when nothing was measured.
+    """
+
+    forward: float
+    backward_data: float
+    backward_filter: float
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,17 @@ class Device:
         memory_bandwidth_gbps: published peak memory bandwidth, for reports.
         bf16_tflops: published dense bf16 (fp16 before Ampere) tensor-core peak, for throughput models.
         aliases: other spellings accepted by :func:`get_device`, including the name torch reports.
+        context_source: where ``context_bytes`` comes from: ``default`` (the catalog's lazy-loading
+            constant), ``eager`` (the published eager-loading figure), ``profile`` (measured by
+            ``batchfit calibrate``) or ``override`` (given by the user).
+        context_detail: what the source was (the profile's path, the reason eager loading was assumed).
+        conv_workspace: measured cuDNN convolution workspaces (``batchfit calibrate``) as multiples of
+            each call's operand bytes, with cuDNN's heuristics; None: the model's assumption
+            (``memory/cudnn.py``).
+        conv_workspace_benchmark: the same with ``torch.backends.cudnn.benchmark = True``.
+        cudnn_benchmark: the step runs with ``torch.backends.cudnn.benchmark = True`` (``--cudnn-benchmark``;
+            the process's own flag counts too), which picks faster convolution engines with larger
+            workspaces.
     """
 
     name: str
@@ -89,6 +125,11 @@ class Device:
     memory_bandwidth_gbps: float = 0.0
     bf16_tflops: float = 0.0
     aliases: tuple[str, ...] = ()
+    context_source: str = "default"
+    context_detail: str = ""
+    conv_workspace: ConvWorkspace | None = None
+    conv_workspace_benchmark: ConvWorkspace | None = None
+    cudnn_benchmark: bool = False
 
     @property
     def exact(self) -> bool:
@@ -109,24 +150,58 @@ class Device:
             ConfigError: a negative context, a non-positive total, a context that leaves nothing
                 usable, or a context given for the CPU.
         """
-        changes: dict[str, int] = {}
+        changes: dict[str, object] = {}
         if context_bytes is not None:
             if self.kind == "cpu":
                 raise ConfigError("the cpu has no CUDA context; --context-mib applies to GPUs only")
             if context_bytes < 0:
                 raise ConfigError(f"context size must be >= 0 bytes, got {context_bytes}; e.g. 512 MiB")
             changes["context_bytes"] = context_bytes
+            changes["context_source"], changes["context_detail"] = "override", "--context-mib"
         if total_bytes is not None:
             if total_bytes <= 0:
                 raise ConfigError(f"total memory must be positive, got {total_bytes}; e.g. '24GiB'")
             changes["total_bytes"] = total_bytes
-        new = replace(self, **changes)
+        new = replace(self, **changes)  # type: ignore[arg-type]
         if new.total_bytes is not None and new.context_bytes >= new.total_bytes:
             raise ConfigError(
                 f"a context of {format_bytes(new.context_bytes)} leaves nothing of "
                 f"{format_bytes(new.total_bytes)} on {new.name}; lower --context-mib"
             )
         return new
+
+    def with_eager_loading(self, reason: str) -> Device:
+        """A copy whose context is the published eager-loading figure (see ``EAGER_CONTEXT_BYTES``).
+
+        Args:
+            reason: why eager loading is assumed (``--cuda-loading eager``, ``CUDA_MODULE_LOADING=EAGER``,
+                CUDA older than 11.7); kept in ``context_detail`` for the report.
+
+        Raises:
+            ConfigError: on the CPU, which has no CUDA context.
+        """
+        if self.kind == "cpu":
+            raise ConfigError("the cpu has no CUDA context; --cuda-loading applies to GPUs only")
+        context = max(EAGER_CONTEXT_BYTES, CONTEXT_BYTES.get(self.arch, 0))
+        if self.total_bytes is not None and context >= self.total_bytes:
+            raise ConfigError(
+                f"an eager-loading context of {format_bytes(context)} leaves nothing of "
+                f"{format_bytes(self.total_bytes)} on {self.name}; measure the context (batchfit calibrate)"
+            )
+        return replace(self, context_bytes=context, context_source="eager", context_detail=reason)
+
+    def describe_context(self) -> str:
+        """One line: the context size assumed, and where it comes from."""
+        if self.kind == "cpu":
+            return "no CUDA context (cpu)"
+        size = format_bytes(self.context_bytes)
+        if self.context_source == "eager":
+            return f"{size}: eager module loading ({self.context_detail}), Hugging Face's V100 / CUDA 11.2 figure"
+        if self.context_source == "profile":
+            return f"{size}: measured by batchfit calibrate ({self.context_detail})"
+        if self.context_source == "override":
+            return f"{size}: given ({self.context_detail})"
+        return f"{size}: default, lazy module loading (CUDA >= 11.7), {self.arch or 'generic'} estimate"
 
 
 def _gpu(

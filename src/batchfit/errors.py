@@ -4,7 +4,9 @@ Map of the tree (kept shallow on purpose, so callers catch one thing)::
 
     BatchfitError                      base of everything batchfit raises on purpose
     ├── ConfigError (+ ValueError)     bad input: a size, a name, a capacity, a batch, a loss
-    │   └── UnknownNameError (+ KeyError-like message)   unknown device or preset
+    │   ├── UnknownNameError (+ KeyError-like message)   unknown device or preset
+    │   ├── ProfileError               a device profile that is unreadable or not for this device
+    │   └── NoGpuError                 a command that must measure a GPU, run where none is visible
     ├── DoesNotFitError                even one item does not fit; names the remedy
     ├── TraceError                     the training step failed while traced (names the module and op)
     └── CheckpointError                unreadable, partial or mismatched checkpoint
@@ -45,6 +47,14 @@ class UnknownNameError(ConfigError):
         super().__init__(msg)
         self.name = name
         self.close_matches = close
+
+
+class ProfileError(ConfigError):
+    """A device profile that cannot be read (missing, corrupt, another schema) or describes another GPU."""
+
+
+class NoGpuError(ConfigError):
+    """A command that measures a real GPU (``batchfit calibrate``) was run where none is visible."""
 
 
 class DoesNotFitError(BatchfitError):

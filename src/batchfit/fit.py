@@ -152,7 +152,6 @@ class _Search:
     def predicted_fits(self, line: TraceLine, b: int) -> bool:
         return self.fits(self._estimate(line.at(b), b))
 
-
     def allocated_fits(self, line: TraceLine, b: int) -> bool:
         """A necessary condition, without replaying the allocator: what live tensors hold (plus the
         context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
@@ -315,8 +314,11 @@ def fit(
         from .cache import CACHE
 
         dev = get_device(device)
-        settings = ("fit", dev, precision, checkpoint_classes(checkpointing, workload.checkpoint_blocks), margin,
-                    expandable_segments, shard_over, verify, max_batch_size, workload.accumulation_steps)  # fmt: skip
+        from .memory.cudnn import CudnnFlags
+
+        blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+        settings = ("fit", dev, CudnnFlags.current(), precision, blocks, margin, expandable_segments, shard_over,
+                    verify, max_batch_size, workload.accumulation_steps)  # fmt: skip
         policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
         return CACHE.fact(
             "fit", workload, policy.param_dtype,

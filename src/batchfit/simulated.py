@@ -164,5 +164,6 @@ def _generic(capacity_bytes: int) -> Device:
 
     template = generic_device("80GiB")
     return dataclasses.replace(
-        template, name=f"simulated {capacity_bytes} B", total_bytes=capacity_bytes, context_bytes=0
-    )
+        template, name=f"simulated {capacity_bytes} B", total_bytes=capacity_bytes, context_bytes=0,
+        context_source="override", context_detail="a simulated GPU has none",
+    )  # fmt: skip

@@ -14,12 +14,15 @@ import typer
 
 from ..errors import BatchfitError, ConfigError
 from . import options as opts
+from .calibrate import calibrate
 from .options import (
     AccumulationOpt,
     BaseBatchSizeOpt,
     BaseLrOpt,
     CheckpointingOpt,
     ContextOpt,
+    CudaLoadingOpt,
+    CudnnBenchmarkOpt,
     DeviceOpt,
     InterconnectName,
     InterconnectOpt,
@@ -31,6 +34,7 @@ from .options import (
     OptimizerOpt,
     PrecisionOpt,
     PresetArg,
+    ProfileOpt,
     SeqLenOpt,
     SetOpt,
     TaskOpt,
@@ -50,6 +54,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+
 @app.command()
 def estimate(
     preset: PresetArg,
@@ -68,6 +73,9 @@ def estimate(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    cuda_loading: CudaLoadingOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
@@ -76,7 +84,7 @@ def estimate(
 
     check_batch_size(batch_size, "--batch-size")
     check_batch_size(accumulation_steps, "--accumulation-steps")
-    dev = opts.device(device, context_mib)
+    dev = opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark)
     wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
     est = run_estimate(
         wl,
@@ -145,6 +153,9 @@ def fit_command(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    cuda_loading: CudaLoadingOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
@@ -157,7 +168,7 @@ def fit_command(
     with opts.progress(as_json) as show:
         result = fit(
             wl,
-            opts.device(device, context_mib),
+            opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark),
             precision=precision,
             checkpointing="blocks" if checkpointing else None,
             margin=margin,
@@ -197,6 +208,9 @@ def plan_command(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    cuda_loading: CudaLoadingOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
@@ -207,7 +221,7 @@ def plan_command(
         result = plan(
             wl,
             global_batch_size,
-            device=opts.device(device, context_mib),
+            device=opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark),
             gpus=gpus,
             precision=precision,
             checkpointing=None if checkpointing is None else ("blocks" if checkpointing else False),
@@ -280,6 +294,7 @@ def sweep_command(
 
 app.command()(report)
 app.command()(train)
+app.command()(calibrate)
 
 
 @app.command()

@@ -58,6 +58,38 @@ ContextOpt = Annotated[
 ]
 
 
+class CudaLoading(str, Enum):
+    """CUDA's module-loading mode, which decides the context's size."""
+
+    lazy = "lazy"
+    eager = "eager"
+
+
+CudaLoadingOpt = Annotated[
+    CudaLoading | None,
+    typer.Option(
+        "--cuda-loading",
+        help="lazy (CUDA >= 11.7, PyTorch's default) or eager (every kernel loaded at start-up, a context over "
+        "1 GiB); default: from CUDA_MODULE_LOADING and the CUDA version.",
+    ),
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        help="A device profile written by `batchfit calibrate` (its measured context and workspaces); by default "
+        "the stored profile of this machine's GPU is used when the device is that GPU.",
+    ),
+]
+CudnnBenchmarkOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cudnn-benchmark",
+        help="The step runs with torch.backends.cudnn.benchmark = True: faster convolution engines, larger workspaces.",
+    ),
+]
+
+
 def console() -> Any:
     from rich.console import Console
 
@@ -112,13 +144,29 @@ def workload(
     return load(preset, task=task, lora=adapters, **overrides(seq_len, optimizer, sets))
 
 
-def device(name: str, context_mib: float | None) -> Any:
-    from ..devices import get_device
+def device(
+    name: str,
+    context_mib: float | None,
+    profile: str | None = None,
+    cuda_loading: CudaLoading | None = None,
+    cudnn_benchmark: bool = False,
+) -> Any:
+    """The device a command names, with its CUDA context chosen (``context.resolve_device``).
 
-    dev = get_device(name)
-    if context_mib is not None:
-        dev = dev.with_overrides(context_bytes=int(context_mib * 2**20))
-    return dev
+    What was detected (a stored profile used, eager loading assumed) goes to stderr, one line each.
+    """
+    from ..context import resolve_device
+
+    resolved = resolve_device(
+        name,
+        context_mib=context_mib,
+        profile=profile,
+        cuda_loading=None if cuda_loading is None else CudaLoading(cuda_loading).value,
+        cudnn_benchmark=True if cudnn_benchmark else None,
+    )
+    for note in resolved.notes:
+        sys.stderr.write(f"batchfit: {note}\n")
+    return resolved.device
 
 
 class InterconnectName(str, Enum):

@@ -35,15 +35,22 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
 6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
    output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
    which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
+7. cuDNN convolution workspaces. Each cuDNN convolution call takes a workspace from the caching
+   allocator after its output and frees it on return; which calls use cuDNN and how large the
+   workspace is assumed to be are in ``memory/cudnn.py`` (NOTE [ cuDNN convolution workspaces ]).
+   They are added as transient allocations right after the op's outputs.
 
 Limitations:
-    cuDNN convolution workspaces (chosen at run time) and cuBLASLt's workspace are not modelled;
-    cuDNN's RNN reserve is modelled, its transient workspace is not.
+    cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
+    (``batchfit calibrate`` folds it into the per-handle workspace); cuDNN's RNN reserve is modelled,
+    its transient workspace is not; cuDNN convolution workspaces are an assumption unless a device
+    profile measured them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,6 +59,7 @@ import torch.nn.functional as F
 
 from ..devices import Device
 from ..precision import PrecisionPolicy
+from . import cudnn
 
 # -- 4. cuBLAS workspace ----------------------------------------------------------------------------
 _GEMMS = frozenset(
@@ -69,16 +77,32 @@ _GEMMS = frozenset(
 
 
 class CudaKernels:
-    """The tracer's kernel model for a CUDA device: adds the cuBLAS workspaces where CUDA allocates them."""
+    """The tracer's kernel model for a CUDA device: adds cuBLAS and cuDNN workspaces where CUDA allocates them.
 
-    watched_ops = _GEMMS
+    Args:
+        device: the GPU (its cuBLAS workspace, handles and measured cuDNN workspace ratios).
+        cudnn_flags: ``torch.backends.cudnn``'s settings for the step; default: this process's
+            (``device.cudnn_benchmark`` turns benchmark on as well).
+    """
+
+    watched_ops = _GEMMS | cudnn.OPS
     """The ops ``after_op`` acts on (the tracer calls it for no other)."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
         self.device = device
         self._handles: set[str] = set()
+        flags = cudnn_flags if cudnn_flags is not None else cudnn.CudnnFlags.current()
+        if device.cudnn_benchmark and not flags.benchmark:
+            flags = dataclasses.replace(flags, benchmark=True)
+        self.cudnn_flags = flags
+        self._conv_ratios = cudnn.ratios_for(device, self.cudnn_flags)
 
     def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
+        if func in cudnn.OPS:  # NOTE, item 7
+            for call in cudnn.workspaces(func, args, kwargs, self._conv_ratios, self.cudnn_flags):
+                if call.nbytes > 0:
+                    tracer.add_scratch(call.nbytes, call.label, transient=True)
+            return
         if func not in _GEMMS:
             return
         # The autograd engine runs backward ops on its own thread, with its own cuBLAS handle.

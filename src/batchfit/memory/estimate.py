@@ -3,10 +3,11 @@
 Limitations:
     - CUDA numbers assume one process per GPU, one stream, and the default allocator settings
       (``PYTORCH_CUDA_ALLOC_CONF`` unset, or ``expandable_segments:True`` when asked).
-    - The CUDA context is a per-architecture constant (override with ``context_bytes``); other
-      processes on the GPU are not counted.
-    - cuDNN convolution workspaces depend on the algorithm cuDNN picks at run time and are not
-      modelled; convolution-heavy models on CUDA may need a few hundred MiB more than estimated.
+    - The CUDA context is a per-architecture constant assuming lazy module loading, unless a device
+      profile measured it or it is overridden (``context_source`` says which); other processes on
+      the GPU are not counted.
+    - cuDNN convolution workspaces depend on the engine cuDNN picks at run time: they are an
+      assumption (``memory/cudnn.py``) unless a device profile measured them.
     - Compiled regions (``torch.compile``) are traced eagerly: the estimate is that of eager mode.
 """
 
@@ -59,6 +60,12 @@ class Estimate:
     notes: tuple[str, ...] = ()
     """What the trace had to assume: values it could not know (the branch taken), compiled modules
     run eagerly, kernels it could not measure. Empty when the trace is the step as it runs."""
+    context_source: str = ""
+    """Where ``context_bytes`` comes from: ``default``, ``eager``, ``profile`` or ``override`` ("" on CPU)."""
+    context_assumption: str = ""
+    """The context in one line: its size and its source (``Device.describe_context``)."""
+    cudnn_workspace_bytes: int = 0
+    """The largest cuDNN convolution workspace of the step (transient; ``memory/cudnn.py``)."""
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -161,8 +168,9 @@ def estimate_from_trace(
             stats = replay(trace.allocations(), expandable_segments=expandable_segments)
         reserved, retries = stats.peak_reserved_bytes, stats.num_alloc_retries
     phase, step = trace.phase_at(reading.event_index)
-    workspace = sum(
-        round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace")
+    workspace = sum(round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace"))
+    conv_workspace = max(
+        (round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuDNN workspace")), default=0
     )
     return Estimate(
         workload=workload,
@@ -184,6 +192,9 @@ def estimate_from_trace(
         num_alloc_retries=retries,
         accumulation_steps=accumulation_steps,
         notes=tuple(trace.notes),
+        context_source="" if device.exact else device.context_source,
+        context_assumption="" if device.exact else device.describe_context(),
+        cudnn_workspace_bytes=conv_workspace,
     )
 
 
@@ -237,7 +248,7 @@ def estimate(
         True
 
     Limitations:
-        See the module docstring: cuDNN workspaces, other processes, compiled regions.
+        See the module docstring: the context, cuDNN workspaces, other processes, compiled regions.
     """
     from ..checkpointing import checkpoint_classes
     from ..devices import get_device

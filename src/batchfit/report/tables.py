@@ -51,10 +51,12 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     device.add_row("peak sits in", f"{est.peak_phase} of step {est.peak_step + 1}")
     device.add_row("peak allocated", format_bytes(est.peak_allocated_bytes))
     device.add_row("peak reserved (allocator cache)", format_bytes(est.peak_reserved_bytes))
-    if est.context_bytes:
-        device.add_row("CUDA context", format_bytes(est.context_bytes))
+    if est.context_bytes or getattr(est, "context_source", ""):
+        device.add_row(f"CUDA context ({est.context_source or 'default'})", format_bytes(est.context_bytes))
     if est.workspace_bytes:
         device.add_row("cuBLAS workspaces (in reserved)", format_bytes(est.workspace_bytes))
+    if getattr(est, "cudnn_workspace_bytes", 0):
+        device.add_row("largest cuDNN conv workspace (transient)", format_bytes(est.cudnn_workspace_bytes))
     device.add_row("device total (nvidia-smi)", format_bytes(est.device_total_bytes))
     if est.capacity_bytes is not None:
         device.add_row("capacity", format_bytes(est.capacity_bytes))
@@ -70,6 +72,8 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     for name, value in list(est.per_module.items())[:top_modules]:
         modules.add_row(name, format_bytes(value), _pct(value, est.peak_allocated_bytes))
     parts: list[Any] = [breakdown, device, modules]
+    if getattr(est, "context_assumption", ""):
+        parts.append(Text(f"CUDA context: {est.context_assumption}", style="dim"))
     notes = getattr(est, "notes", ())
     if notes:
         parts.append(Text("assumed while tracing:\n" + "\n".join(f"  - {n}" for n in notes), style="yellow"))
@@ -111,6 +115,8 @@ def fit_table(result: Any) -> Group:
     head.add_row("precision", result.precision + (" + checkpointing" if result.checkpointing else ""))
     head.add_row("budget", format_bytes(result.capacity_bytes))
     head.add_row("device total at the maximum", format_bytes(result.estimate.device_total_bytes))
+    if getattr(result.estimate, "context_assumption", ""):
+        head.add_row("CUDA context", result.estimate.context_assumption)
     head.add_row("steps traced or run", str(result.trials))
     attempts = Table(title="attempts", title_justify="left")
     for col in ("batch", "kind", "device total", "fits"):
@@ -147,6 +153,8 @@ def plan_table(plan: Any) -> Group:
         head.add_row("predicted time per global batch", _seconds(plan.predicted_step_s) + link)
     head.add_row("largest micro-batch that fits", str(plan.max_micro_batch_size))
     head.add_row("memory per GPU", format_bytes(plan.estimate.device_total_bytes))
+    if getattr(plan.estimate, "context_assumption", ""):
+        head.add_row("CUDA context", plan.estimate.context_assumption)
     head.add_row("headroom per GPU", format_bytes(plan.headroom_bytes))
     head.add_row("items per step", str(plan.items_per_step))
     if plan.tokens_per_step:
@@ -207,3 +215,36 @@ def sweep_table(result: Any) -> Table:
             ", ".join(mark),
         )
     return table
+
+
+def profile_table(profile: Any, path: str) -> Group:
+    """A device profile: who it is for, the measured context and workspaces, and where it was written."""
+    head = Table(show_header=False, title=f"device profile: {profile.gpu.name}", title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    gpu = profile.gpu
+    head.add_row("driver / CUDA / torch", f"{gpu.driver} / {gpu.cuda} / {gpu.torch}")
+    head.add_row("cuDNN", str(profile.cudnn_version or "-"))
+    head.add_row("memory", format_bytes(profile.total_bytes))
+    head.add_row("module loading", profile.module_loading)
+    head.add_row("allocator", f"{profile.allocator_backend}, PYTORCH_CUDA_ALLOC_CONF={profile.alloc_conf or '(unset)'}")
+    head.add_row("context after the first CUDA op", format_bytes(profile.bare_context_bytes))
+    head.add_row("context after training steps", format_bytes(profile.context_bytes))
+    head.add_row("context after cuDNN benchmark runs", format_bytes(profile.context_benchmark_bytes))
+    head.add_row(
+        "cuBLAS + cuBLASLt workspace",
+        f"{format_bytes(profile.cublas_workspace_bytes)} per handle x {profile.cublas_handles}",
+    )
+    head.add_row("steps measured", ", ".join(profile.steps) or "-")
+    ratios = Table(title="cuDNN convolution workspace per operand byte (largest measured)", title_justify="left")
+    for col in ("mode", "forward", "backward data", "backward filter"):
+        ratios.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, r in (("heuristics", profile.conv_workspace), ("benchmark", profile.conv_workspace_benchmark)):
+        ratios.add_row(mode, f"{r.forward:.3f}", f"{r.backward_data:.3f}", f"{r.backward_filter:.3f}")
+    rows = Table(title="measured convolutions", title_justify="left")
+    for col in ("shape", "dtype", "direction", "mode", "operands", "workspace"):
+        rows.add_column(col, justify="left" if col in ("shape", "dtype", "direction", "mode") else "right")
+    for m in profile.conv_measurements:
+        rows.add_row(m.shape, m.dtype, m.direction, "benchmark" if m.benchmark else "heuristics",
+                     format_bytes(m.operand_bytes), format_bytes(m.workspace_bytes))  # fmt: skip
+    return Group(head, ratios, rows, Text(f"written to {path}", style="green"))

@@ -1,0 +1,459 @@
+"""GPU truth: batchfit's estimates against real training steps on this machine's GPU.
+
+For presets and a representative part of the zoo (``tests/zoo.py``: dense and MoE language models, a
+LoRA fine-tune, CNNs, a ViT, an RNN), at a few batch sizes each, it runs two real training steps and
+records ``max_memory_allocated``, ``max_memory_reserved`` and NVML's used memory of the process (what
+nvidia-smi shows), beside ``batchfit.estimate`` for the detected GPU with the default context and with
+a calibrated device profile. For some cases it also compares ``fit``'s estimated maximum micro-batch with
+the real one, found by running real steps at b and b + 1 (``fit(device="cuda")``).
+
+Each case runs in a fresh worker process (a fresh CUDA context and caching allocator, as a training
+run has; the parent never touches CUDA, so its context takes no memory from the workers), and every
+row is measured inside its own try/except: a failure is an error row, never a crash. Without a stored
+profile of this GPU it first runs ``batchfit calibrate --quick`` and uses the profile it writes.
+
+It prints a table with the error of every row ((estimate - real) / real: negative is an
+under-estimate, the dangerous side), the median and p90 of |error| and the worst under-estimate, checks
+them against the targets (reserved: median <= 3%, p90 <= 8%, no under-estimate beyond -5%; fit's maximum
+runs for real and is >= 95% of the real maximum), and writes every row to
+``benchmarks/results/gpu_truth-<gpu>-<date>.csv``.
+
+Run: ``PYTHONPATH=src python benchmarks/gpu_truth.py [--quick] [--profile PATH] [--out DIR] [--cases a,b]``
+(``--quick``: fewer cases and sizes, a few minutes). Exit status: 0 targets met, 1 missed, 2 no GPU here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+TARGETS = {"median": 0.03, "p90": 0.08, "worst_under": -0.05, "fit_ratio": 0.95}
+FIELDS = ("kind", "case", "family", "precision", "batch", "gpu", "real_allocated", "real_reserved", "real_nvml",
+          "est_allocated", "est_reserved", "est_total", "est_total_profile", "est_reserved_profile", "err_allocated",
+          "err_reserved", "err_total", "err_total_profile", "fit_est_max", "fit_est_max_profile", "fit_real_max",
+          "fit_ratio", "context_default", "context_profile", "error", "seconds")  # fmt: skip
+
+
+# -- the cases ----------------------------------------------------------------------------------------
+class VGG11(nn.Module):
+    """VGG-11 with batch norm (Simonyan & Zisserman 2015, configuration A): 224x224 images, 1000 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = 3
+        for width in (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"):
+            if width == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(channels, int(width), 3, padding=1), nn.BatchNorm2d(int(width)), nn.ReLU()]
+                channels = int(width)
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(512 * 7 * 7, 4096), nn.ReLU(), nn.Dropout(0.5),
+            nn.Linear(4096, 4096), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4096, 1000),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class LSTMClassifier(nn.Module):
+    """A two-layer bidirectional LSTM over 128 steps of 256 features (the zoo's ``Recurrent``, at scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(256, 512, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(1024, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def _images(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
+
+
+def _sequences(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 128, 256), torch.randint(0, 10, (b,))
+
+
+def _preset(name: str, **overrides: Any) -> Any:
+    from batchfit import presets
+
+    return presets.get(name, **overrides)
+
+
+_LLAMA = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+              intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048)  # fmt: skip
+_MIXTRAL = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                max_position_embeddings=1024)  # fmt: skip
+
+
+def _zoo_lm(config: str, seq_len: int, fields: dict[str, Any]) -> Any:
+    from zoo import hf
+
+    return hf(config, "causal-lm", seq_len, **fields)
+
+
+def _zoo_vision(config: str, **fields: Any) -> Any:
+    from zoo import hf
+
+    return hf(config, "image-classification", None, **fields)
+
+
+def _lora_llama() -> Any:
+    from zoo import peft_workload
+
+    def config() -> Any:
+        import peft
+
+        return peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+
+    return peft_workload(partial(_zoo_lm, "LlamaConfig", 512, _LLAMA), config, "lora-llama")
+
+
+def _torch(model: Callable[[], nn.Module], batch: Callable[[int], Any], name: str) -> Any:
+    from zoo import torch_workload
+
+    return torch_workload(model, batch, name=name)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload, the (precision, batch sizes) to run it at, and whether to compare fit's maximum."""
+
+    name: str
+    family: str
+    make: Callable[[], Any]
+    runs: tuple[tuple[str, tuple[int, ...]], ...]
+    quick: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """The runs of ``--quick`` (empty: the case is left out)."""
+    fit: str | None = None
+    """Precision of the fit comparison (None: no comparison); in ``--quick`` only where ``quick_fit``."""
+    quick_fit: bool = False
+
+
+CASES = (
+    Case("mlp", "preset", partial(_preset, "mlp", in_features=1024, hidden=4096, depth=4),
+         (("fp32", (512, 4096)),), (("fp32", (4096,)),)),
+    Case("cnn-resnet18", "preset", partial(_preset, "cnn", image_size=224, width=64, stages=4),
+         (("fp32", (16, 32, 64)), ("bf16", (32, 64))), (("fp32", (32, 64)),), fit="fp32", quick_fit=True),
+    Case("gpt2-small", "preset", partial(_preset, "gpt"), (("fp32", (4, 8)), ("bf16", (8, 16))),
+         (("bf16", (8, 16)),), fit="bf16", quick_fit=True),
+    Case("hf-gpt2", "preset", partial(_preset, "hf-gpt2"), (("bf16", (8,)),)),
+    Case("hf-bert-large", "preset", partial(_preset, "hf-bert-large"), (("fp32", (4, 8)),), fit="fp32"),
+    Case("hf-vit-base", "vit", partial(_preset, "hf-vit-base"), (("bf16", (32, 64)),), (("bf16", (32,)),)),
+    Case("hf-resnet50", "vision-cnn", partial(_preset, "hf-resnet50"), (("fp32", (32,)), ("bf16", (32, 64))),
+         (("bf16", (32,)),), fit="bf16"),
+    Case("llama-gqa", "decoder", partial(_zoo_lm, "LlamaConfig", 512, _LLAMA), (("bf16", (4, 8, 16)),),
+         (("bf16", (8,)),), fit="bf16"),
+    Case("mixtral-moe", "moe", partial(_zoo_lm, "MixtralConfig", 256, _MIXTRAL), (("bf16", (4, 8)),),
+         (("bf16", (8,)),)),
+    Case("lora-llama", "peft", _lora_llama, (("bf16", (8, 16)),), (("bf16", (8,)),)),
+    Case("convnext-tiny", "vision-cnn", partial(_zoo_vision, "ConvNextConfig"), (("bf16", (32,)),)),
+    Case("efficientnet-b0", "vision-cnn", partial(_zoo_vision, "EfficientNetConfig", width_coefficient=1.0,
+                                                  depth_coefficient=1.0, image_size=224, hidden_dim=1280),
+         (("fp32", (32,)),)),
+    Case("mobilenet-v2", "vision-cnn", partial(_zoo_vision, "MobileNetV2Config"), (("fp32", (64,)),)),
+    Case("vgg11-bn", "vision-cnn", partial(_torch, VGG11, _images, "vgg11-bn"), (("fp32", (16, 32)),)),
+    Case("lstm-bi", "rnn", partial(_torch, LSTMClassifier, _sequences, "lstm-bi"), (("fp32", (64, 256)),),
+         (("fp32", (64,)),), fit="fp32"),
+)  # fmt: skip
+BY_NAME = {c.name: c for c in CASES}
+
+
+# -- a worker: one case in a fresh process -----------------------------------------------------------
+def _relative(estimate: int | None, real: int | None) -> float | None:
+    return None if not estimate or not real else (estimate - real) / real
+
+
+def _real_step(workload: Any, batch: int, policy: Any, gpu: Any) -> dict[str, Any]:
+    """Two real steps from a clean allocator: the peaks and NVML's used memory of this process after them."""
+    import gc
+
+    from batchfit.memory.steps import build_for_steps, run_workload_steps
+
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()  # a fresh process has no cuBLAS workspace yet
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = optimizer = None
+    try:
+        model, optimizer = build_for_steps(workload, policy.param_dtype, (), device="cuda")
+        run_workload_steps(workload, model, optimizer, batch, param_dtype=policy.param_dtype,
+                           autocast=policy.autocast("cuda"), move=lambda t: t.to("cuda"))  # fmt: skip
+        torch.cuda.synchronize()
+        return {"real_allocated": int(torch.cuda.max_memory_allocated()),
+                "real_reserved": int(torch.cuda.max_memory_reserved()), "real_nvml": gpu.process_used()}  # fmt: skip
+    except torch.OutOfMemoryError:
+        return {"error": "real step ran out of memory"}
+    finally:
+        del model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled: Any) -> dict[str, Any]:
+    import batchfit
+
+    est = batchfit.estimate(workload, batch, device=device, precision=precision)
+    out = {"est_allocated": est.peak_allocated_bytes, "est_reserved": est.peak_reserved_bytes,
+           "est_total": est.device_total_bytes, "context_default": est.context_bytes}  # fmt: skip
+    if profiled is not None:
+        p = batchfit.estimate(workload, batch, device=profiled, precision=precision)
+        out.update(est_total_profile=p.device_total_bytes, est_reserved_profile=p.peak_reserved_bytes,
+                   context_profile=p.context_bytes)  # fmt: skip
+    return out
+
+
+def worker(name: str, quick: bool, profile_path: str | None) -> int:
+    """Run one case and print one JSON object per row (never raises for a row)."""
+    from batchfit._cuda import cuda_device
+    from batchfit.calibrate import TorchGpu
+    from batchfit.precision import policy_for
+
+    gpu = TorchGpu()  # NVML's baseline is read now, before this process has a CUDA context
+    case = BY_NAME[name]
+    device = cuda_device()
+    profiled = None
+    if profile_path:
+        from batchfit import profiles
+
+        profiled = profiles.load(profile_path).apply(device, profile_path)
+    base = {"case": case.name, "family": case.family, "gpu": torch.cuda.get_device_name(0)}
+    try:
+        workload = case.make()
+    except Exception as e:  # noqa: BLE001 - a case that cannot be built is an error row
+        print(json.dumps({**base, "kind": "step", "error": f"building: {type(e).__name__}: {e}"[:300]}), flush=True)
+        return 0
+    for precision, batches in case.quick if quick else case.runs:
+        policy = policy_for(precision, bf16_supported=device.bf16, device_name=device.name)
+        for batch in batches:
+            row: dict[str, Any] = {**base, "kind": "step", "precision": precision, "batch": batch}
+            start = time.perf_counter()
+            for part in (partial(_real_step, workload, batch, policy, gpu),
+                         partial(_estimates, workload, batch, precision, device, profiled)):  # fmt: skip
+                try:
+                    row.update(part())
+                except Exception as e:  # noqa: BLE001 - recorded, the next part still runs
+                    row["error"] = (row.get("error", "") + f" {type(e).__name__}: {e}")[:300].strip()
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            print(json.dumps(row), flush=True)
+    if case.fit and (case.quick_fit or not quick):
+        # --quick leaves out the profile's fit: four more traces per case
+        print(json.dumps(_fit_row(case, workload, device, None if quick else profiled, base)), flush=True)
+    return 0
+
+
+def _fit_row(case: Case, workload: Any, device: Any, profiled: Any, base: dict[str, Any]) -> dict[str, Any]:
+    import batchfit
+
+    row: dict[str, Any] = {**base, "kind": "fit", "precision": case.fit}
+    start = time.perf_counter()
+    try:
+        row["fit_est_max"] = batchfit.fit(workload, device, precision=case.fit).max_batch_size
+        if profiled is not None:
+            row["fit_est_max_profile"] = batchfit.fit(workload, profiled, precision=case.fit).max_batch_size
+        # Real steps at the traced guess and its neighbours until b fits and b + 1 does not.
+        row["fit_real_max"] = batchfit.fit(workload, "cuda", precision=case.fit).max_batch_size
+        row["fit_ratio"] = row["fit_est_max"] / row["fit_real_max"]
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+# -- the parent: workers, table, CSV -----------------------------------------------------------------
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _profile(args: argparse.Namespace, out_dir: Path) -> tuple[str | None, str]:
+    """The profile to compare with: given, stored for this GPU (found by a worker), or calibrated now."""
+    if args.profile:
+        return args.profile, "given"
+    path = out_dir / "profile-calibrated.json"
+    cmd = [sys.executable, "-m", "batchfit", "calibrate", "--quick", "--output", str(path), "--json"]
+    try:
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return None, "calibration timed out"
+    if done.returncode != 0:
+        return None, f"calibration failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    return str(path), "calibrated now"
+
+
+def run_case(case: Case, args: argparse.Namespace, profile: str | None) -> list[dict[str, Any]]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", case.name]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--profile", profile] if profile else []
+    try:
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=args.timeout)
+        stdout, failure = done.stdout, None
+        if done.returncode != 0:
+            failure = f"worker exited {done.returncode}: {' '.join(done.stderr.strip().splitlines()[-1:])}"
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        failure = f"worker timed out after {args.timeout} s"
+    rows = []
+    for line in stdout.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if failure:
+        rows.append({"kind": "step", "case": case.name, "family": case.family, "error": failure[:300]})
+    for row in rows:
+        row.setdefault("family", case.family)
+        row["err_allocated"] = _relative(row.get("est_allocated"), row.get("real_allocated"))
+        row["err_reserved"] = _relative(row.get("est_reserved"), row.get("real_reserved"))
+        row["err_total"] = _relative(row.get("est_total"), row.get("real_nvml"))
+        row["err_total_profile"] = _relative(row.get("est_total_profile"), row.get("real_nvml"))
+    return rows
+
+
+def summary(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    """Median and p90 of |error| and the worst (most negative) error of column ``key``."""
+    errors = [r[key] for r in rows if r.get("kind") == "step" and r.get(key) is not None]
+    if not errors:
+        return None
+    mags = sorted(abs(e) for e in errors)
+    p90 = mags[min(len(mags) - 1, int(0.9 * len(mags) + 0.5) - 1 if len(mags) > 1 else 0)]
+    return {"n": len(errors), "median": statistics.median(mags), "p90": p90, "worst_under": min(errors)}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _mib(x: int | None) -> str:
+    return "-" if x is None else f"{x / 2**20:,.0f}"
+
+
+def report(rows: list[dict[str, Any]], profile_note: str) -> bool:
+    """Print the tables and the summary; True when every target is met."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    table = Table(title="real steps vs estimate (MiB; error = (estimate - real) / real)", title_justify="left")
+    for col in ("case", "prec", "batch", "real alloc", "err", "real reserved", "est reserved", "err", "nvml used",
+                "est total", "err", "est total (profile)", "err", "s", "note"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("case", "prec", "note") else "right")
+    for r in (r for r in rows if r.get("kind") == "step"):
+        table.add_row(r["case"], r.get("precision", "-"), str(r.get("batch", "-")), _mib(r.get("real_allocated")),
+                      _pct(r.get("err_allocated")), _mib(r.get("real_reserved")), _mib(r.get("est_reserved")),
+                      _pct(r.get("err_reserved")), _mib(r.get("real_nvml")), _mib(r.get("est_total")),
+                      _pct(r.get("err_total")), _mib(r.get("est_total_profile")), _pct(r.get("err_total_profile")),
+                      str(r.get("seconds", "-")), r.get("error", "")[:60])  # fmt: skip
+    console.print(table)
+    fits = Table(title="fit: estimated maximum micro-batch vs the real one", title_justify="left")
+    for col in ("case", "prec", "estimated", "estimated (profile)", "real", "estimated / real", "note"):
+        fits.add_column(col, justify="left" if col in ("case", "prec", "note") else "right")
+    fit_rows = [r for r in rows if r.get("kind") == "fit"]
+    for r in fit_rows:
+        ratio = r.get("fit_ratio")
+        fits.add_row(r["case"], r.get("precision", "-"), str(r.get("fit_est_max", "-")),
+                     str(r.get("fit_est_max_profile", "-")), str(r.get("fit_real_max", "-")),
+                     "-" if ratio is None else f"{ratio:.3f}", r.get("error", "")[:60])  # fmt: skip
+    console.print(fits)
+    console.print(f"device profile: {profile_note}")
+    ok = True
+    for key, what in (("err_reserved", "reserved"), ("err_allocated", "allocated"),
+                      ("err_total", "nvidia-smi, default"), ("err_total_profile", "nvidia-smi, profile")):  # fmt: skip
+        s = summary(rows, key)
+        if s is None:
+            console.print(f"{what}: no rows")
+            ok &= key != "err_reserved"
+            continue
+        line = (f"{what}: {s['n']} rows, median |error| {100 * s['median']:.1f}%, p90 {100 * s['p90']:.1f}%, "
+                f"worst under-estimate {100 * s['worst_under']:+.1f}%")  # fmt: skip
+        if key == "err_reserved":
+            met = (s["median"] <= TARGETS["median"] and s["p90"] <= TARGETS["p90"]
+                   and s["worst_under"] >= TARGETS["worst_under"])  # fmt: skip
+            line += " (targets: median <= 3%, p90 <= 8%, worst >= -5%: " + ("met" if met else "MISSED") + ")"
+            ok &= met
+        console.print(line)
+    ratios = [r["fit_ratio"] for r in fit_rows if r.get("fit_ratio") is not None]
+    if ratios:
+        met = all(1.0 >= x >= TARGETS["fit_ratio"] for x in ratios)
+        console.print(f"fit: estimated / real maximum from {min(ratios):.3f} to {max(ratios):.3f} "
+                      f"(target: runs for real, >= 0.95: {'met' if met else 'MISSED'})")  # fmt: skip
+        ok &= met
+    errors = sum(1 for r in rows if r.get("error"))
+    console.print(f"{len(rows)} rows, {errors} with errors")
+    return ok and errors == 0
+
+
+def write_csv(rows: list[dict[str, Any]], out_dir: Path) -> Path:
+    gpu = next((r["gpu"] for r in rows if r.get("gpu")), "unknown-gpu")
+    path = out_dir / f"gpu_truth-{re.sub(r'[^A-Za-z0-9.]+', '_', gpu).strip('_')}-{date.today().isoformat()}.csv"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases and batch sizes (a few minutes)")
+    parser.add_argument("--profile", help="a device profile to compare with (default: calibrate one now)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where the CSV goes")
+    parser.add_argument("--cases", help="comma-separated case names (default: all, or the quick ones)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per worker")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_truth: no CUDA GPU is visible here; run it on a machine with one (nothing was measured)")
+        return 2
+    if args.worker:
+        return worker(args.worker, args.quick, args.profile)
+    names = args.cases.split(",") if args.cases else [c.name for c in CASES if c.quick or not args.quick]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        print(f"gpu_truth: unknown case(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile, note = _profile(args, out_dir)
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        start = time.perf_counter()
+        rows += run_case(BY_NAME[name], args, profile)
+        print(f"gpu_truth: {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    ok = report(rows, f"{profile} ({note})" if profile else note)
+    print(f"rows written to {write_csv(rows, out_dir)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``benchmarks/gpu_truth.py`` without a GPU: its one-line exit, its statistics, its CSV and its cases."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def truth() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_truth", BENCHMARKS / "gpu_truth.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_truth"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_a_gpu_it_says_so_in_one_line(truth: ModuleType, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(truth.torch.cuda, "is_available", lambda: False)  # as on this machine, even on a GPU one
+    assert truth.main([]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("gpu_truth: no CUDA GPU is visible here")
+
+
+def _row(err_reserved: float | None, **kw) -> dict:
+    return {"kind": "step", "case": "c", "err_reserved": err_reserved, **kw}
+
+
+def test_the_summary_is_median_p90_and_worst_under_estimate(truth: ModuleType) -> None:
+    rows = [_row(e) for e in (0.01, -0.02, 0.03, -0.04, 0.05, 0.06, -0.07, 0.08, 0.09, -0.10)]
+    rows += [_row(None, error="OOM"), {"kind": "fit", "err_reserved": 0.5}]  # neither counts
+    s = truth.summary(rows, "err_reserved")
+    assert s == {"n": 10, "median": pytest.approx(0.055), "p90": pytest.approx(0.09), "worst_under": -0.10}
+    assert truth.summary([_row(0.02)], "err_reserved") == {"n": 1, "median": 0.02, "p90": 0.02, "worst_under": 0.02}
+    assert truth.summary([_row(None)], "err_reserved") is None
+
+
+def test_errors_are_relative_to_the_real_figure(truth: ModuleType) -> None:
+    assert truth._relative(95, 100) == pytest.approx(-0.05)  # an under-estimate is negative
+    assert truth._relative(None, 100) is None and truth._relative(100, None) is None
+
+
+def test_the_report_checks_the_targets(truth: ModuleType, capsys) -> None:
+    good = [_row(0.01, err_allocated=0.0), _row(-0.02), {"kind": "fit", "case": "c", "fit_ratio": 0.97}]
+    assert truth.report(good, "none") is True
+    assert "targets: median <= 3%, p90 <= 8%, worst >= -5%: met" in capsys.readouterr().out
+    assert truth.report([_row(0.01), _row(-0.06)], "none") is False  # an under-estimate beyond -5%
+    assert truth.report([_row(0.01), {"kind": "fit", "case": "c", "fit_ratio": 1.02}], "none") is False  # does not run
+    assert truth.report([_row(0.01), _row(None, error="worker exited 1")], "none") is False
+    capsys.readouterr()
+
+
+def test_rows_go_to_a_csv_named_after_the_gpu_and_date(truth: ModuleType, tmp_path: Path) -> None:
+    from datetime import date
+
+    rows = [_row(0.01, gpu="NVIDIA H100 80GB HBM3", batch=8, real_reserved=100, unexpected="dropped")]
+    path = truth.write_csv(rows, tmp_path)
+    assert path == tmp_path / f"gpu_truth-NVIDIA_H100_80GB_HBM3-{date.today().isoformat()}.csv"
+    read = list(csv.DictReader(path.open()))
+    assert list(read[0]) == list(truth.FIELDS)
+    assert (read[0]["batch"], read[0]["real_reserved"], read[0]["err_reserved"]) == ("8", "100", "0.01")
+
+
+def test_every_case_makes_a_workload_and_quick_is_a_subset(truth: ModuleType) -> None:
+    from batchfit import Workload
+
+    for case in truth.CASES:
+        assert isinstance(case.make(), Workload), case.name
+        assert all(p in ("fp32", "bf16", "fp16") for p, _ in case.runs + case.quick)
+    quick = [c.name for c in truth.CASES if c.quick]
+    assert {"mlp", "cnn-resnet18", "gpt2-small", "llama-gqa", "mixtral-moe", "lora-llama", "hf-vit-base",
+            "lstm-bi"} <= set(quick)  # fmt: skip
+    assert [c.name for c in truth.CASES if c.quick_fit] == ["cnn-resnet18", "gpt2-small"]
