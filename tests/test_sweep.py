@@ -35,3 +35,51 @@ def test_sweep_measures_each_size_and_writes_a_plot(tmp_path) -> None:
 def test_bad_sizes(sizes) -> None:
     with pytest.raises(ConfigError):
         sweep("mlp", batch_sizes=sizes, steps=1)
+
+
+def test_an_empty_list_is_refused_not_replaced_by_the_defaults() -> None:
+    with pytest.raises(ConfigError, match="at least one batch size"):
+        sweep("mlp", batch_sizes=[], steps=1)
+
+
+@pytest.mark.parametrize("device", ["H100-80GB", "foo", "24GiB", "simulated:48MiB", "cuda:x"])
+def test_a_device_that_is_not_this_machine_is_refused_before_any_step(device: str, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.modules["batchfit.sweep"], "_time_steps", lambda *a, **k: pytest.fail("a step ran"))
+    with pytest.raises(ConfigError, match=r"sweep measures this machine \(cpu, or cuda when a GPU is present\)"):
+        sweep("mlp", device=device, batch_sizes=[1], steps=1)
+
+
+def test_cuda_without_a_gpu_is_refused(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "CUDA", "cuda:0"):
+        with pytest.raises(ConfigError, match="no CUDA GPU is visible here; use --device cpu"):
+            sweep("mlp", device=device, batch_sizes=[1], steps=1)
+
+
+def test_the_device_is_recorded_as_measured() -> None:
+    assert sweep("mlp", device=" CPU ", batch_sizes=[2], steps=1, measure_memory=False).device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [("", "is empty"), ("  ", "is empty"), ("1,,4", "not ''"), ("1,two", "not 'two'"), ("0,2", "not '0'"),
+     ("-1", "not '-1'"), ("1.5", "not '1.5'")],
+)  # fmt: skip
+def test_cli_batch_sizes_must_be_whole_numbers(text: str, fault: str, capsys) -> None:
+    from batchfit.cli import main
+
+    assert main(["sweep", "mlp", "--batch-sizes", text]) == 2
+    err = capsys.readouterr().err
+    assert fault in err and err.count("\n") == 1  # one line, no traceback
+
+
+def test_cli_refuses_a_catalog_gpu_in_one_line(capsys) -> None:
+    from batchfit.cli import main
+
+    assert main(["sweep", "gpt", "--device", "H100-80GB"]) == 2
+    err = capsys.readouterr().err
+    assert "batchfit fit <model> --device H100-80GB" in err and err.count("\n") == 1

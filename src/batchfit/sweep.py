@@ -86,6 +86,52 @@ def _time_steps(model: Any, optimizer: Any, batch: Any, loss_fn: Any, steps: int
     return statistics.median(times)
 
 
+def measurable_device(device: Any) -> torch.device:
+    """The device of this machine that ``device`` names: a sweep times real steps, so only ``cpu`` and
+    a visible CUDA GPU can be swept. A catalog name (``H100-80GB``) is refused rather than timed on the
+    CPU under that label: a GPU that is not here is the estimator's job.
+
+    Raises:
+        ConfigError: anything else, or ``cuda`` with no GPU visible.
+    """
+    from .errors import ConfigError
+
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return torch.device("cpu")
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ConfigError("sweep measures this machine and no CUDA GPU is visible here; use --device cpu")
+        index = int(text[5:]) if ":" in text else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"sweep: {device} is not here ({torch.cuda.device_count()} GPU(s) visible)")
+        return torch.device("cuda", index)
+    raise ConfigError(
+        f"sweep measures this machine (cpu, or cuda when a GPU is present), not {device!r}; "
+        f"to predict another GPU use `batchfit fit <model> --device {device}`"
+    )
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,2,8"`` -> ``[1, 2, 8]``; empty entries, words and non-positive sizes are refused.
+
+    Raises:
+        ConfigError: the text is empty or malformed, naming the entry at fault.
+    """
+    from .errors import ConfigError
+
+    example = "e.g. --batch-sizes 1,2,4,8"
+    entries = [e.strip() for e in text.split(",")]
+    if not text.strip():
+        raise ConfigError(f"--batch-sizes is empty; give whole numbers separated by commas, {example}")
+    sizes = []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) < 1:
+            raise ConfigError(f"--batch-sizes takes whole numbers >= 1 separated by commas, not {entry!r}; {example}")
+        sizes.append(int(entry))
+    return sizes
+
+
 def sweep(
     workload: Any,
     device: str = "cpu",
@@ -106,22 +152,22 @@ def sweep(
         progress: called with ``(index, total, batch_size)`` before each size (for progress bars).
 
     Raises:
-        ConfigError: an empty or non-positive list of batch sizes, or fewer than one step.
+        ConfigError: a device not on this machine (see :func:`measurable_device`), an empty or
+            non-positive list of batch sizes, or fewer than one step.
     """
     from .errors import ConfigError
 
-    wl = _as_workload(workload)
-    sizes = sorted(set(batch_sizes or default_batch_sizes()))
+    target = measurable_device(device)
+    sizes = sorted(set(default_batch_sizes() if batch_sizes is None else batch_sizes))
     if not sizes:
         raise ConfigError("give at least one batch size to sweep, e.g. --batch-sizes 1,2,4,8")
     for b in sizes:
         check_batch_size(b, "every swept batch size")
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
-    on_cuda = device == "cuda"
-    if on_cuda and not torch.cuda.is_available():
-        raise ConfigError("no CUDA GPU is visible; sweep on --device cpu")
-    target = torch.device("cuda" if on_cuda else "cpu")
+    wl = _as_workload(workload)
+    on_cuda = target.type == "cuda"
+    device = str(target)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     torch.manual_seed(0)
     model = wl.build_model().to(target)

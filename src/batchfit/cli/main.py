@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import BatchfitError, ConfigError
+from ..errors import BatchfitError
 from . import options as opts
 from .calibrate import calibrate
 from .options import (
@@ -255,14 +255,10 @@ def sweep_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure real steps: throughput and peak memory by batch size, and the knee of the curve."""
-    from ..sweep import sweep
+    from ..sweep import measurable_device, parse_batch_sizes, sweep
 
-    sizes = None
-    if batch_sizes:
-        try:
-            sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--batch-sizes takes whole numbers separated by commas, got {batch_sizes!r}") from None
+    measurable_device(device)  # before building anything: a GPU that is not here is refused at once
+    sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
     wl = opts.workload(preset, seq_len, optimizer, set_)
     if as_json or not sys.stderr.isatty():
         result = sweep(wl, device=device, batch_sizes=sizes, steps=steps)
