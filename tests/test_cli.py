@@ -134,3 +134,13 @@ def test_a_model_that_does_not_fit_at_batch_1(capsys) -> None:
     )
     assert code == 2
     assert "does not fit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bare_batchfit_prints_the_help_and_succeeds(capsys) -> None:
+    code, out, err = _run(capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("Usage: batchfit") and "estimate" in out and "--version" in out
+
+
+def test_version(capsys) -> None:
+    assert _run(capsys, "--version") == (0, f"batchfit {batchfit.__version__}\n", "")

@@ -55,6 +55,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"batchfit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Make any batch size trainable on the GPU memory you have."""
+
+
 @app.command()
 def estimate(
     preset: PresetArg,
@@ -328,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"batchfit: error: {exc}\n")
         return 2
     except _USAGE_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `batchfit` (or group): the help, not an error
+            sys.stdout.write(exc.ctx.get_help() + "\n")  # type: ignore[attr-defined]
+            return 0
         ctx = getattr(exc, "ctx", None)
         hint = f" (see `batchfit {ctx.info_name} --help`)" if ctx is not None and ctx.parent is not None else ""
         sys.stderr.write(f"batchfit: error: {exc.format_message()}{hint}\n")  # type: ignore[attr-defined]

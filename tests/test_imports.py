@@ -1,0 +1,133 @@
+"""The package's import graph: one-way, and torch only where tensors are made.
+
+Every ``import`` of a batchfit module counts, the lazy ones inside functions too: a cycle that only a
+function-level import keeps from failing at start-up is still two modules that cannot be understood
+(or split) apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for path in (SRC / "batchfit").rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(node: ast.AST, package: str) -> set[str]:
+    """The batchfit modules one import statement loads (``from . import x`` a module, ``from .x import y`` x)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    parts = package.split(".")
+    base = parts[: len(parts) - node.level + 1] if node.level else []
+    module = ".".join([*base, *([node.module] if node.module else [])])
+    return {f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module for a in node.names}
+
+
+def _imports(name: str) -> set[str]:
+    """The batchfit modules ``name`` imports anywhere in its source (``TYPE_CHECKING`` blocks aside)."""
+    path, is_package = MODULES[name]
+    package = name if is_package else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in node.body
+    }
+    found = set().union(*(_targets(n, package) for n in ast.walk(tree) if id(n) not in typing_only))
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read_from_the_sources() -> None:
+    assert "batchfit.memory.allocator" in GRAPH["batchfit.memory.estimate"]
+    assert "batchfit.cli.options" in GRAPH["batchfit.cli.main"]  # `from . import options as opts`
+    assert len(MODULES) > 50 and sum(map(len, GRAPH.values())) > 200
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_another_in_a_circle() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_the_library_never_imports_the_command_line_or_the_adapters() -> None:
+    outer = ("batchfit.cli", "batchfit.integrations")
+    offenders = {
+        name: sorted(m for m in imports if m.startswith(outer))
+        for name, imports in GRAPH.items()
+        if not name.startswith((*outer, "batchfit.__main__")) and any(m.startswith(outer) for m in imports)
+    }
+    assert offenders == {}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["gpus"], ["presets"], ["estimate", "--help"]])
+def test_commands_that_make_no_tensor_import_no_torch(argv: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "from batchfit.cli import main\n"
+        f"rc = main({argv!r})\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'transformers', 'matplotlib') if m in sys.modules)\n"
+        "print('IMPORTED', heavy, rc, file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "IMPORTED [] 0", done.stderr
