@@ -4,7 +4,9 @@ Whether a step fits is decided by ``torch.cuda.memory_reserved``, not by the sum
 are rounded to 512 bytes, small and large ones live in separate pools of 2 MiB and 20 MiB (or 2 MiB-rounded)
 segments, a block is split only when the leftover is worth keeping, and freed blocks stay cached. So a
 traced step is replayed through this model of ``DeviceCachingAllocator``
-(``c10/cuda/CUDACachingAllocator.cpp``); docstrings name the C++ function each method mirrors.
+(``c10/cuda/CUDACachingAllocator.cpp``); docstrings name the C++ function each method mirrors. This
+module counts the bytes (malloc, free, release, replay); the sizes and the blocks a segment is cut into
+are ``blocks.py``, and expandable segments' page mapping is ``expandable.py`` (both re-exported here).
 
 Limitations:
     * One device, one stream: ``record_stream`` and the events that delay reuse across streams are not
@@ -27,34 +29,45 @@ Limitations:
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from ..errors import ConfigError
+from .blocks import (
+    LARGE_BUFFER,
+    MIN_BLOCK_SIZE,
+    MIN_LARGE_ALLOC,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    SegmentInfo,
+    _Block,
+    _Pool,
+    _try_merge,
+    allocation_size,
+    round_size,
+)
+from .expandable import EXPANDABLE_SPACE_EXTRA_DIV, UNLIMITED_ADDRESS_SPACE, ExpandableSegments
 
-# kMinBlockSize (CUDACachingAllocator.cpp): requests are rounded up to a multiple of it (round_size).
-# PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions rounds larger requests further (not modelled).
-MIN_BLOCK_SIZE = 512
-# kSmallSize: requests up to this size use the small pool. No setting changes it.
-SMALL_SIZE = 1024 * 1024
-# kSmallBuffer: small pool segment size, and small pool page size with expandable_segments:True.
-SMALL_BUFFER = 2 * 1024 * 1024
-# kLargeBuffer (c10/core/AllocatorConfig.h): segment for requests in (1 MiB, 10 MiB), and large pool page
-# size with expandable_segments:True. No setting changes these uses.
-LARGE_BUFFER = 20 * 1024 * 1024
-# kMinLargeAlloc: from this size up, a request gets a segment of its own size. No setting changes it.
-MIN_LARGE_ALLOC = 10 * 1024 * 1024
-# kRoundLarge: such a segment is rounded up to a multiple of it (get_allocation_size). No setting.
-ROUND_LARGE = 2 * 1024 * 1024
-# ExpandableSegment reserves address space for totalGlobalMem + totalGlobalMem / 8, room to re-map pages
-# unmapped mid-segment at its end. Only used with expandable_segments:True; no setting changes the 8.
-EXPANDABLE_SPACE_EXTRA_DIV = 8
-# Address space of an expandable segment when capacity is unlimited (1 PiB, never exhausted); not in C++.
-UNLIMITED_ADDRESS_SPACE = 1 << 50
+__all__ = [
+    "EXPANDABLE_SPACE_EXTRA_DIV",
+    "LARGE_BUFFER",
+    "MIN_BLOCK_SIZE",
+    "MIN_LARGE_ALLOC",
+    "ROUND_LARGE",
+    "SMALL_BUFFER",
+    "SMALL_SIZE",
+    "UNLIMITED_ADDRESS_SPACE",
+    "AllocatorStats",
+    "CachingAllocator",
+    "SegmentInfo",
+    "allocation_size",
+    "replay",
+    "round_size",
+]
 
 # The remedy PyTorch appends to every out-of-memory message (DeviceCachingAllocator::malloc).
 _OOM_HINT = (
@@ -62,29 +75,6 @@ _OOM_HINT = (
     "expandable_segments:True to avoid fragmentation.  See documentation for Memory Management "
     " (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
 )
-
-
-def round_size(nbytes: int) -> int:
-    """Size of the block a request of ``nbytes`` occupies (``round_size``); 0 for an empty request.
-
-    PyTorch never asks the allocator for 0 bytes (``allocate`` returns a null pointer), so an empty
-    tensor occupies nothing rather than the 512 bytes ``round_size(0)`` would give in C++.
-    """
-    if nbytes < 0:
-        raise ConfigError(f"allocation size must be >= 0, got {nbytes}")
-    return -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
-
-
-def allocation_size(nbytes: int) -> int:
-    """Segment size cudaMalloc is asked for when no cached block fits ``nbytes`` (``get_allocation_size``)."""
-    size = round_size(nbytes)
-    if size == 0:
-        return 0
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 def _format_size(nbytes: int) -> str:
@@ -115,78 +105,7 @@ class AllocatorStats:
     peak_event_index: int = -1
 
 
-class SegmentInfo(NamedTuple):
-    """One cudaMalloc'ed segment, or one contiguous mapped range of an expandable segment."""
-
-    size: int
-    allocated_bytes: int
-    small: bool
-    expandable: bool
-
-
-class _Pool:
-    """Cached free blocks of one pool, ordered like ``BlockComparatorSize``: by (size, address)."""
-
-    __slots__ = ("small", "free", "by_ptr", "unmapped")
-
-    def __init__(self, small: bool) -> None:
-        self.small = small
-        self.free: list[tuple[int, int]] = []
-        self.by_ptr: dict[int, _Block] = {}
-        self.unmapped: dict[int, _Block] = {}  # expandable address space without pages, by address
-
-    def add(self, block: _Block) -> None:
-        insort(self.free, (block.size, block.ptr))
-        self.by_ptr[block.ptr] = block
-
-    def remove(self, block: _Block) -> None:
-        del self.free[bisect_left(self.free, (block.size, block.ptr))]
-        del self.by_ptr[block.ptr]
-
-
-class _Block:
-    """A ``Block``: a range of a segment, linked to its neighbours so frees can merge them."""
-
-    __slots__ = ("ptr", "size", "pool", "seg", "mapped", "allocated", "prev", "next")
-
-    def __init__(
-        self, ptr: int, size: int, pool: _Pool, seg: tuple[int, int] | None, mapped: bool = True
-    ) -> None:
-        self.ptr, self.size, self.pool, self.mapped = ptr, size, pool, mapped
-        self.seg = seg  # (base address, page size) of its expandable segment, None for a cudaMalloc one
-        self.allocated = False
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-
-    def splice(self, before: _Block | None, after: _Block | None) -> None:
-        self.prev, self.next = before, after
-        if before is not None:
-            before.next = self
-        if after is not None:
-            after.prev = self
-
-
-def _try_merge(dst: _Block, src: _Block | None) -> None:
-    """``try_merge_blocks``: absorb a free neighbour in the same mapping state into ``dst``."""
-    if src is None or src.allocated or src.mapped != dst.mapped:
-        return
-    if src.mapped:
-        src.pool.remove(src)
-    else:
-        del src.pool.unmapped[src.ptr]
-    if dst.prev is src:
-        dst.ptr = src.ptr
-        dst.prev = src.prev
-        if dst.prev is not None:
-            dst.prev.next = dst
-    else:
-        dst.next = src.next
-        if dst.next is not None:
-            dst.next.prev = dst
-    dst.size += src.size
-
-
-class CachingAllocator:
+class CachingAllocator(ExpandableSegments):
     """One device's caching allocator: ``malloc``/``free`` with the byte accounting of the real one.
 
     Every ``malloc`` and ``free`` call is one event, numbered from 0, so that a replay can say which
@@ -355,62 +274,6 @@ class CachingAllocator:
         self._next_addr += alloc_size
         return _Block(self._next_addr - alloc_size, alloc_size, pool, None)
 
-    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
-        """``try_allocate_expandable_block``: map pages at the lowest address with room for ``size``."""
-        block = self._find_expandable_block(pool, size)
-        if not block.mapped and not self._map_block(block, min(block.size, size)):
-            return None
-        while block.size < size:
-            unmapped = block.next
-            assert unmapped is not None and not unmapped.mapped
-            if not self._map_block(unmapped, min(size - block.size, unmapped.size)):
-                return None  # like C++, pages mapped by this call so far stay mapped
-            block = unmapped
-        pool.remove(block)
-        return block
-
-    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
-        """``find_expandable_block``: lowest unmapped range (with the free block before it) with room."""
-        for ptr in sorted(pool.unmapped):
-            start = pool.unmapped[ptr]
-            if start.prev is not None and not start.prev.allocated:
-                start = start.prev
-            room, block = 0, start
-            while room < size and block is not None and not block.allocated:
-                room += block.size
-                block = block.next
-            if room >= size:
-                return start
-        page = SMALL_BUFFER if pool.small else LARGE_BUFFER
-        cap = self.capacity_bytes
-        space = UNLIMITED_ADDRESS_SPACE if cap is None else cap + cap // EXPANDABLE_SPACE_EXTRA_DIV
-        space = -(-space // page) * page
-        base, self._next_addr = self._next_addr, self._next_addr + space
-        block = _Block(base, space, pool, (base, page), mapped=False)
-        pool.unmapped[base] = block
-        return block
-
-    def _map_block(self, block: _Block, size: int) -> bool:
-        """``map_block``: back the first ``size`` bytes of an unmapped block with whole pages, all or none."""
-        base, page = block.seg  # type: ignore[misc]
-        first = (block.ptr - base) // page
-        nbytes = (-(-(block.ptr + size - base) // page) - first) * page
-        if self.capacity_bytes is not None and self.reserved_bytes + nbytes > self.capacity_bytes:
-            return False
-        pool = block.pool
-        del pool.unmapped[block.ptr]
-        block.mapped = True
-        if nbytes < block.size:
-            rest = _Block(block.ptr + nbytes, block.size - nbytes, pool, block.seg, mapped=False)
-            rest.splice(block, block.next)
-            pool.unmapped[rest.ptr] = rest
-            block.size = nbytes
-        _try_merge(block, block.prev)
-        _try_merge(block, block.next)
-        pool.add(block)
-        self._reserve(nbytes)
-        return True
-
     def _release_cached_blocks(self) -> None:
         """``release_cached_blocks``: cudaFree unsplit free segments, unmap whole free expandable pages."""
         for pool in (self._large, self._small):
@@ -426,31 +289,6 @@ class CachingAllocator:
                 self._unmap_block(block)
                 if not block.mapped and block.prev is None and block.next is None:
                     del pool.unmapped[block.ptr]  # release_expandable_segment: nothing of it is mapped
-
-    def _unmap_block(self, block: _Block) -> None:
-        """``unmap_block``: unmap the pages lying wholly inside a free block; partial pages stay free."""
-        base, page = block.seg  # type: ignore[misc]
-        first = -(-(block.ptr - base) // page)
-        last = (block.ptr + block.size - base) // page
-        if first >= last:
-            return
-        pool = block.pool
-        pool.remove(block)
-        ptr, nbytes = base + first * page, (last - first) * page
-        before, after = ptr - block.ptr, block.size - (ptr - block.ptr) - nbytes
-        if before > 0:
-            head = _Block(block.ptr, before, pool, block.seg)
-            head.splice(block.prev, block)
-            pool.add(head)
-        if after > 0:
-            tail = _Block(ptr + nbytes, after, pool, block.seg)
-            tail.splice(block, block.next)
-            pool.add(tail)
-        block.ptr, block.size, block.mapped = ptr, nbytes, False
-        _try_merge(block, block.prev)
-        _try_merge(block, block.next)
-        pool.unmapped[block.ptr] = block
-        self.reserved_bytes -= nbytes
 
     def _oom_message(self, alloc_size: int) -> str:
         cap, reserved, allocated = self.capacity_bytes or 0, self.reserved_bytes, self.allocated_bytes
