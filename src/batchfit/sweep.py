@@ -112,22 +112,21 @@ def measurable_device(device: Any) -> torch.device:
     )
 
 
-def parse_batch_sizes(text: str) -> list[int]:
+def parse_batch_sizes(text: str, option: str = "--batch-sizes") -> list[int]:
     """``"1,2,8"`` -> ``[1, 2, 8]``; empty entries, words and non-positive sizes are refused.
 
     Raises:
-        ConfigError: the text is empty or malformed, naming the entry at fault.
+        ConfigError: the text is empty or malformed, naming ``option`` and the entry at fault.
     """
     from .errors import ConfigError
 
-    example = "e.g. --batch-sizes 1,2,4,8"
-    entries = [e.strip() for e in text.split(",")]
+    example = f"e.g. {option} 1,2,4,8"
     if not text.strip():
-        raise ConfigError(f"--batch-sizes is empty; give whole numbers separated by commas, {example}")
+        raise ConfigError(f"{option} is empty; give whole numbers separated by commas, {example}")
     sizes = []
-    for entry in entries:
+    for entry in (e.strip() for e in text.split(",")):
         if not entry.isdigit() or int(entry) < 1:
-            raise ConfigError(f"--batch-sizes takes whole numbers >= 1 separated by commas, not {entry!r}; {example}")
+            raise ConfigError(f"{option} takes whole numbers >= 1 separated by commas, not {entry!r}; {example}")
         sizes.append(int(entry))
     return sizes
 

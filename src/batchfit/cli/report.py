@@ -14,15 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..errors import ConfigError
 from .options import BaseBatchSizeOpt, BaseLrOpt, LrRule, LrRuleOpt
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--sweep-batch-sizes takes whole numbers separated by commas, got {text!r}") from None
 
 
 def report(
@@ -73,6 +65,7 @@ def report(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Write an HTML report: the plan, memory by batch size, one step's memory timeline, optional throughput."""
+    from ..sweep import parse_batch_sizes
     from .options import device as _device
     from .options import workload as _workload
 
@@ -93,7 +86,7 @@ def report(
         base_lr=base_lr,
         base_batch_size=base_batch_size,
         lr_rule=lr_rule.value,
-        sweep_batch_sizes=_sizes(sweep_batch_sizes) if sweep else None,
+        sweep_batch_sizes=parse_batch_sizes(sweep_batch_sizes, "--sweep-batch-sizes") if sweep else None,
     )
     if as_json:
         sys.stdout.write(json.dumps(written, default=str) + "\n")
