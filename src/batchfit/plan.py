@@ -6,6 +6,10 @@ The invariant, stated once: for every optimizer step,
 maximum. Ranks' shares differ by at most one item when the global batch does not divide by the GPU
 count, and a share that does not divide by the micro-batch is split into near-equal pieces: the
 trainer weights every micro-batch by its item count, so any split is the same gradient.
+
+This module checks the request and assembles the ``Plan``; the configurations it tries are
+``plan_ladder.py``, fitting and timing one of them ``plan_options.py``, and what a plan says in words
+(advice, where a model would fit, a split) ``plan_messages.py``.
 """
 
 from __future__ import annotations
@@ -16,33 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .batching import make_splits, rank_shares
-from .devices import Device, catalog, get_device
-from .errors import ConfigError, DoesNotFitError
-from .fit import FitResult, fit
-from .memory.estimate import Estimate, _as_workload, with_accumulation
+from .devices import Device, get_device
+from .errors import ConfigError
+from .memory.estimate import Estimate, _as_workload
+from .plan_ladder import _ladder
+from .plan_messages import _nothing_fits, _warnings, describe_split
+from .plan_options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at
 
-
-@dataclass(frozen=True)
-class PlanOption:
-    """One configuration a plan considered, and what it allows."""
-
-    precision: str
-    checkpointing: bool
-    sharded: bool
-    max_micro_batch_size: int
-    """The largest micro-batch the search looked at that fits (at most a rank's share); 0 when not even
-    one item fits."""
-    micro_batch_size: int
-    accumulation_steps: int
-    device_total_bytes: int | None
-    """At ``micro_batch_size`` (None when it does not fit)."""
-    headroom_bytes: int | None
-    remedies: tuple[str, ...]
-    """What this configuration changes from plain fp32 data parallelism, cheapest first."""
-    predicted_step_s: float | None = None
-    """Predicted seconds per optimizer step (one global batch), see ``batchfit.cost``."""
-    changes_numerics: bool = False
-    """Weights and optimizer states in bf16: a change to the training maths, not only to its memory."""
+__all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
 
 
 @dataclass(frozen=True)
@@ -112,56 +97,6 @@ class Plan:
         }
 
 
-# -- the ladder -------------------------------------------------------------------------------
-# NOTE [ Remedies ranked by what they cost ]
-# Accumulation is free for the maths, so every configuration first splits the global batch into
-# micro-batches. Beyond it, each remedy costs the user something, and they are tried cheapest first:
-# mixed precision (autocast, fp32 master weights: faster, numerically standard), sharding across the
-# GPUs given (communication), activation checkpointing (a recomputed forward, ~30% more time), and last
-# bf16 weights and optimizer states (a change to the training maths, chosen only when nothing else fits).
-# A configuration's cost is its remedies' ranks, most expensive first, compared as tuples: mixed
-# precision alone (1) < sharding (2) < sharding with mixed precision (2, 1) < checkpointing (3) < ...
-_RANK = {"autocast": 1, "sharding": 2, "checkpointing": 3, "bf16-true": 4}
-
-
-@dataclass(frozen=True)
-class _Config:
-    precision: str
-    checkpointing: Any
-    sharded: bool
-    remedies: tuple[str, ...]
-    cost: tuple[int, ...]
-
-
-def _ladder(device: Device, gpus: int, precision: str | None, checkpointing: Any, has_blocks: bool) -> list[_Config]:
-    """Every configuration the plan may choose, cheapest remedies first (NOTE above)."""
-    low = "bf16" if device.bf16 else "fp16"
-    precisions = ["fp32", low] + (["bf16-true"] if device.bf16 else [])
-    if precision is not None:
-        precisions = [precision]
-    if checkpointing is None:
-        ck_options: list[Any] = [None] + (["blocks"] if has_blocks else [])
-    else:
-        ck_options = [checkpointing or None]
-    configs = []
-    for prec in precisions:
-        for ck in ck_options:
-            for sharded in [False, True] if gpus > 1 else [False]:
-                used: list[tuple[int, str]] = []
-                if prec == "bf16-true":
-                    used.append((_RANK["bf16-true"], "bf16 weights and optimizer states"))
-                elif prec != "fp32":
-                    used.append((_RANK["autocast"], f"{prec} autocast"))
-                if sharded:
-                    used.append((_RANK["sharding"], "FSDP sharding"))
-                if ck is not None:
-                    used.append((_RANK["checkpointing"], "activation checkpointing"))
-                used.sort()
-                remedies = tuple(name for _, name in used)
-                configs.append(_Config(prec, ck, sharded, remedies, tuple(sorted((r for r, _ in used), reverse=True))))
-    return sorted(configs, key=lambda c: c.cost)
-
-
 def _validate(global_batch_size: Any, gpus: Any) -> None:
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"the global batch size must be a whole number >= 1, got {global_batch_size!r}")
@@ -196,13 +131,13 @@ def plan(
     """Plan ``global_batch_size`` items per optimizer step on ``gpus`` GPUs of ``device``.
 
     With ``precision`` and ``checkpointing`` left None, configurations are tried cheapest remedies
-    first (NOTE [ Remedies ranked by what they cost ]): accumulation alone, mixed precision, FSDP
-    sharding across the GPUs, activation checkpointing, bf16 weights and optimizer states; the first
-    that fits is the plan, and up to ``ALTERNATIVES`` more that fit are shown beside it, fastest
-    first, each with its memory and predicted time per global batch (``batchfit.cost``; GPUs talk
-    over ``interconnect``: nvlink, pcie or ib). A configuration whose parameters, gradients and
-    optimizer states alone exceed the GPU is skipped without tracing. ``progress`` is called with a
-    short description before each traced step.
+    first (NOTE [ Remedies ranked by what they cost ] in ``plan_ladder.py``): accumulation alone,
+    mixed precision, FSDP sharding across the GPUs, activation checkpointing, bf16 weights and
+    optimizer states; the first that fits is the plan, and up to ``ALTERNATIVES`` more that fit are
+    shown beside it, fastest first, each with its memory and predicted time per global batch
+    (``batchfit.cost``; GPUs talk over ``interconnect``: nvlink, pcie or ib). A configuration whose
+    parameters, gradients and optimizer states alone exceed the GPU is skipped without tracing.
+    ``progress`` is called with a short description before each traced step.
 
     Raises:
         ConfigError: a global batch or GPU count below 1, fewer items than GPUs, a device with no
@@ -288,123 +223,6 @@ def plan(
     )
 
 
-def _by_time(option: PlanOption) -> float:
-    return option.predicted_step_s if option.predicted_step_s is not None else float("inf")
-
-
-@dataclass
-class _Fitted:
-    config: _Config
-    result: FitResult
-    workload: Any
-
-
-def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
-    """False when the model's state alone (no activations, no batch) exceeds the GPU: no trace needed."""
-    from .memory.states import state_bytes
-    from .precision import policy_for
-
-    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-    states = state_bytes(wl, policy.param_dtype)
-    held = states.sharded(gpus) if config.sharded else states.total
-    return held + dev.context_bytes <= budget
-
-
-def _fit_config(
-    wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
-    progress: Any = None,
-) -> _Fitted | None:  # fmt: skip
-    """The largest micro-batch (at most the share) of one configuration, or None when none fits."""
-    shards = gpus if config.sharded else 1
-    kwargs = dict(precision=config.precision, checkpointing=config.checkpointing, margin=margin,
-                  shard_over=shards, verify=verify, max_batch_size=share, progress=progress)  # fmt: skip
-    if share == 1 or wl.accumulation_steps > 1:
-        try:
-            return _Fitted(config, fit(wl, dev, **kwargs), wl)
-        except DoesNotFitError:
-            return None
-    # A share of several items usually needs several micro-batches, whose later forwards and backwards
-    # run with the earlier ones' gradients alive (Workload.accumulation_steps): fit that step directly.
-    accumulating = with_accumulation(wl, 2)
-    try:
-        result = fit(accumulating, dev, **kwargs)
-    except DoesNotFitError:
-        result = None
-    if result is not None and result.max_batch_size == share:
-        return _Fitted(config, result, accumulating)
-    # The whole share as one micro-batch (no accumulation: no gradients alive in its forward) may fit
-    # where the accumulating step does not: one more trace settles it for the plan; an alternative is
-    # checked only where the accumulating step overshoots by about its gradients.
-    if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
-        ck = config.checkpointing
-        whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share)
-        if whole.device_total_bytes <= result.capacity_bytes:
-            return _Fitted(config, dataclasses.replace(result, max_batch_size=share, estimate=whole), wl)
-    return None if result is None else _Fitted(config, result, accumulating)
-
-
-def _may_fit_whole(
-    result: FitResult, wl: Any, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
-) -> bool:
-    """Whether the plain step of the whole share could fit although the accumulating step at the share
-    does not: only if it overshoots by about the gradients (alive in the accumulating step only), with
-    an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
-    from .memory.states import state_bytes
-    from .precision import policy_for
-
-    trace = result.trace_at(share)
-    if trace is None:
-        return True
-    if shards > 1:
-        from .memory.sharding import shard_trace
-
-        trace = shard_trace(trace, shards)
-    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-    from .memory.estimate import finish_estimate
-
-    est = finish_estimate(trace, wl, share, dev, policy, ())
-    overshoot = est.device_total_bytes - result.capacity_bytes
-    slack = 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards) + (20 << 20)  # + one segment
-    if generous:
-        slack += result.capacity_bytes // 10
-    return overshoot <= slack
-
-
-def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
-    """A fitted configuration as a plan option, with its predicted time per global batch."""
-    from .cost import predict_step_time
-    from .memory.states import state_bytes
-    from .precision import policy_for
-
-    result, config = fitted.result, fitted.config
-    splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=config.sharded)
-    micro = max(max(s) for s in splits)
-    steps = max(len(s) for s in splits)
-    trace = result.trace_at(micro)
-    seconds = None
-    if trace is not None:
-        policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-        states = state_bytes(fitted.workload, policy.param_dtype)
-        seconds = predict_step_time(
-            trace, dev, precision=config.precision, micro_batches=steps, gpus=gpus, sharded=config.sharded,
-            interconnect=interconnect, state_bytes=states.as_tuple(),
-        ).total_s  # fmt: skip
-    total = result.estimate.device_total_bytes
-    return PlanOption(
-        precision=config.precision,
-        checkpointing=config.checkpointing is not None,
-        sharded=config.sharded,
-        max_micro_batch_size=result.max_batch_size,
-        micro_batch_size=micro,
-        accumulation_steps=steps,
-        device_total_bytes=total,
-        headroom_bytes=result.capacity_bytes - total,
-        remedies=config.remedies,
-        predicted_step_s=seconds,
-        changes_numerics=config.precision == "bf16-true",
-    )
-
-
 def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batch_size: int | None, rule: str) -> Any:
     """``LrScaling`` of ``base_lr`` to the global batch, or None without a reference learning rate."""
     if base_lr is None and base_batch_size is None:
@@ -417,90 +235,3 @@ def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batc
     from .advice.lr import lr_scaling
 
     return lr_scaling(base_lr, base_batch_size, global_batch_size, rule, optimizer=wl.optimizer)
-
-
-def fit_estimate_at(
-    wl: Any, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int
-) -> Estimate:
-    """The estimate of one rank at ``batch_size`` in a plan's configuration."""
-    from .checkpointing import checkpoint_classes
-    from .memory.estimate import finish_estimate, trace_for_device
-    from .memory.sharding import shard_trace
-    from .precision import policy_for
-
-    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
-    classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)
-    trace = trace_for_device(wl, batch_size, dev, policy, classes)
-    if sharded:
-        trace = shard_trace(trace, gpus)
-    return finish_estimate(trace, wl, batch_size, dev, policy, classes)
-
-
-def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
-    from .advice.batchnorm import advice_for_layers, layer_facts
-    from .cache import CACHE
-    from .memory.trace import fake_model
-
-    layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
-    text = advice_for_layers(layers, micro, global_batch_size, gpus)
-    return (text,) if text else ()
-
-
-def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
-    """One line naming where it would fit: the smallest catalog GPU, or enough GPUs to shard over."""
-    unsharded = [r for r in rungs if not r.sharded] or rungs
-    prec, ck = unsharded[-1].precision, unsharded[-1].checkpointing
-    where = []
-    for other in catalog():
-        if (other.total_bytes or 0) <= (dev.total_bytes or 0):
-            continue
-        p = prec if (other.bf16 or prec in ("fp32", "fp16")) else "fp16"
-        try:
-            fit(wl, other, precision=p, checkpointing=ck, verify=False)
-        except DoesNotFitError:
-            continue
-        where.append(f"a {other.name} ({p}{' + checkpointing' if ck else ''})")
-        break
-    for n in (2, 4, 8, 16, 32, 64):
-        if n <= gpus:
-            continue
-        try:
-            fit(wl, dev, precision=prec, checkpointing=ck, shard_over=n, verify=False)
-        except DoesNotFitError:
-            continue
-        where.append(f"{n} x {dev.name} with FSDP sharding (--gpus {n})")
-        break
-    remedies: list[str] = []
-    for rung in rungs:
-        remedies += [name for name in rung.remedies if name not in remedies]
-    tried = ", ".join(["accumulation alone", *remedies])
-    hint = " or ".join(where) if where else "no catalog GPU or GPU count up to 64"
-    return DoesNotFitError(
-        f"{wl.name} does not fit on {gpus} x {dev.name} even with one item per GPU (tried: {tried}); "
-        f"it would fit on {hint}"
-    )
-
-
-def describe_split(splits: list[list[int]]) -> str:
-    """``"42 x 11 + 5 x 10"`` per rank, ranks with the same split written once (``"2 ranks: ..."``)."""
-
-    def runs(split: list[int]) -> str:
-        parts, i = [], 0
-        while i < len(split):
-            j = i
-            while j < len(split) and split[j] == split[i]:
-                j += 1
-            parts.append(f"{j - i} x {split[i]}" if split[i] else f"{j - i} padding")  # 0 items: see make_splits
-            i = j
-        return " + ".join(parts) if parts else "nothing"
-
-    groups: dict[str, list[int]] = {}
-    for rank, split in enumerate(splits):
-        groups.setdefault(runs(split), []).append(rank)
-    if len(groups) == 1:
-        (text,) = groups
-        return text if len(splits) == 1 else f"each of {len(splits)} ranks: {text}"
-    return "; ".join(
-        f"ranks {ranks[0]}-{ranks[-1]}: {text}" if len(ranks) > 1 else f"rank {ranks[0]}: {text}"
-        for text, ranks in groups.items()
-    )

@@ -1,0 +1,85 @@
+"""What a plan says besides its numbers: advice on the chosen micro-batch, where a model that fits
+nowhere would fit, and a split of the global batch in words.
+
+Each message names the observation and the change to make (a GPU, a GPU count, a layer to replace);
+``batchfit.plan`` attaches them to the ``Plan`` or raises them, and ``report`` prints ``describe_split``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .devices import Device, catalog
+from .errors import DoesNotFitError
+from .fit import fit
+from .plan_ladder import _Config
+
+
+def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
+    from .advice.batchnorm import advice_for_layers, layer_facts
+    from .cache import CACHE
+    from .memory.trace import fake_model
+
+    layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
+    text = advice_for_layers(layers, micro, global_batch_size, gpus)
+    return (text,) if text else ()
+
+
+def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
+    """One line naming where it would fit: the smallest catalog GPU, or enough GPUs to shard over."""
+    unsharded = [r for r in rungs if not r.sharded] or rungs
+    prec, ck = unsharded[-1].precision, unsharded[-1].checkpointing
+    where = []
+    for other in catalog():
+        if (other.total_bytes or 0) <= (dev.total_bytes or 0):
+            continue
+        p = prec if (other.bf16 or prec in ("fp32", "fp16")) else "fp16"
+        try:
+            fit(wl, other, precision=p, checkpointing=ck, verify=False)
+        except DoesNotFitError:
+            continue
+        where.append(f"a {other.name} ({p}{' + checkpointing' if ck else ''})")
+        break
+    for n in (2, 4, 8, 16, 32, 64):
+        if n <= gpus:
+            continue
+        try:
+            fit(wl, dev, precision=prec, checkpointing=ck, shard_over=n, verify=False)
+        except DoesNotFitError:
+            continue
+        where.append(f"{n} x {dev.name} with FSDP sharding (--gpus {n})")
+        break
+    remedies: list[str] = []
+    for rung in rungs:
+        remedies += [name for name in rung.remedies if name not in remedies]
+    tried = ", ".join(["accumulation alone", *remedies])
+    hint = " or ".join(where) if where else "no catalog GPU or GPU count up to 64"
+    return DoesNotFitError(
+        f"{wl.name} does not fit on {gpus} x {dev.name} even with one item per GPU (tried: {tried}); "
+        f"it would fit on {hint}"
+    )
+
+
+def describe_split(splits: list[list[int]]) -> str:
+    """``"42 x 11 + 5 x 10"`` per rank, ranks with the same split written once (``"2 ranks: ..."``)."""
+
+    def runs(split: list[int]) -> str:
+        parts, i = [], 0
+        while i < len(split):
+            j = i
+            while j < len(split) and split[j] == split[i]:
+                j += 1
+            parts.append(f"{j - i} x {split[i]}" if split[i] else f"{j - i} padding")  # 0 items: see make_splits
+            i = j
+        return " + ".join(parts) if parts else "nothing"
+
+    groups: dict[str, list[int]] = {}
+    for rank, split in enumerate(splits):
+        groups.setdefault(runs(split), []).append(rank)
+    if len(groups) == 1:
+        (text,) = groups
+        return text if len(splits) == 1 else f"each of {len(splits)} ranks: {text}"
+    return "; ".join(
+        f"ranks {ranks[0]}-{ranks[-1]}: {text}" if len(ranks) > 1 else f"rank {ranks[0]}: {text}"
+        for text, ranks in groups.items()
+    )

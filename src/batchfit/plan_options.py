@@ -1,0 +1,178 @@
+"""One configuration of a plan, fitted: its largest micro-batch, its memory and its predicted time.
+
+``batchfit.plan`` asks, for each rung of the ladder (``plan_ladder.py``), what micro-batch fits at most
+a rank's share of the global batch, and turns the answer into a ``PlanOption`` carrying its predicted
+time per global batch (``batchfit.cost``), by which the alternatives are ranked. The cheap lower bound
+that skips a configuration without tracing, and the estimate of one rank at a given micro-batch, live
+here as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .batching import make_splits
+from .devices import Device
+from .errors import DoesNotFitError
+from .fit import FitResult, fit
+from .memory.estimate import Estimate, with_accumulation
+from .plan_ladder import _Config
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    """One configuration a plan considered, and what it allows."""
+
+    precision: str
+    checkpointing: bool
+    sharded: bool
+    max_micro_batch_size: int
+    """The largest micro-batch the search looked at that fits (at most a rank's share); 0 when not even
+    one item fits."""
+    micro_batch_size: int
+    accumulation_steps: int
+    device_total_bytes: int | None
+    """At ``micro_batch_size`` (None when it does not fit)."""
+    headroom_bytes: int | None
+    remedies: tuple[str, ...]
+    """What this configuration changes from plain fp32 data parallelism, cheapest first."""
+    predicted_step_s: float | None = None
+    """Predicted seconds per optimizer step (one global batch), see ``batchfit.cost``."""
+    changes_numerics: bool = False
+    """Weights and optimizer states in bf16: a change to the training maths, not only to its memory."""
+
+
+def _by_time(option: PlanOption) -> float:
+    return option.predicted_step_s if option.predicted_step_s is not None else float("inf")
+
+
+@dataclass
+class _Fitted:
+    config: _Config
+    result: FitResult
+    workload: Any
+
+
+def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
+    """False when the model's state alone (no activations, no batch) exceeds the GPU: no trace needed."""
+    from .memory.states import state_bytes
+    from .precision import policy_for
+
+    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+    states = state_bytes(wl, policy.param_dtype)
+    held = states.sharded(gpus) if config.sharded else states.total
+    return held + dev.context_bytes <= budget
+
+
+def _fit_config(
+    wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
+    progress: Any = None,
+) -> _Fitted | None:  # fmt: skip
+    """The largest micro-batch (at most the share) of one configuration, or None when none fits."""
+    shards = gpus if config.sharded else 1
+    kwargs = dict(precision=config.precision, checkpointing=config.checkpointing, margin=margin,
+                  shard_over=shards, verify=verify, max_batch_size=share, progress=progress)  # fmt: skip
+    if share == 1 or wl.accumulation_steps > 1:
+        try:
+            return _Fitted(config, fit(wl, dev, **kwargs), wl)
+        except DoesNotFitError:
+            return None
+    # A share of several items usually needs several micro-batches, whose later forwards and backwards
+    # run with the earlier ones' gradients alive (Workload.accumulation_steps): fit that step directly.
+    accumulating = with_accumulation(wl, 2)
+    try:
+        result = fit(accumulating, dev, **kwargs)
+    except DoesNotFitError:
+        result = None
+    if result is not None and result.max_batch_size == share:
+        return _Fitted(config, result, accumulating)
+    # The whole share as one micro-batch (no accumulation: no gradients alive in its forward) may fit
+    # where the accumulating step does not: one more trace settles it for the plan; an alternative is
+    # checked only where the accumulating step overshoots by about its gradients.
+    if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
+        ck = config.checkpointing
+        whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share)
+        if whole.device_total_bytes <= result.capacity_bytes:
+            return _Fitted(config, dataclasses.replace(result, max_batch_size=share, estimate=whole), wl)
+    return None if result is None else _Fitted(config, result, accumulating)
+
+
+def _may_fit_whole(
+    result: FitResult, wl: Any, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
+) -> bool:
+    """Whether the plain step of the whole share could fit although the accumulating step at the share
+    does not: only if it overshoots by about the gradients (alive in the accumulating step only), with
+    an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
+    from .memory.states import state_bytes
+    from .precision import policy_for
+
+    trace = result.trace_at(share)
+    if trace is None:
+        return True
+    if shards > 1:
+        from .memory.sharding import shard_trace
+
+        trace = shard_trace(trace, shards)
+    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+    from .memory.estimate import finish_estimate
+
+    est = finish_estimate(trace, wl, share, dev, policy, ())
+    overshoot = est.device_total_bytes - result.capacity_bytes
+    slack = 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards) + (20 << 20)  # + one segment
+    if generous:
+        slack += result.capacity_bytes // 10
+    return overshoot <= slack
+
+
+def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
+    """A fitted configuration as a plan option, with its predicted time per global batch."""
+    from .cost import predict_step_time
+    from .memory.states import state_bytes
+    from .precision import policy_for
+
+    result, config = fitted.result, fitted.config
+    splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=config.sharded)
+    micro = max(max(s) for s in splits)
+    steps = max(len(s) for s in splits)
+    trace = result.trace_at(micro)
+    seconds = None
+    if trace is not None:
+        policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+        states = state_bytes(fitted.workload, policy.param_dtype)
+        seconds = predict_step_time(
+            trace, dev, precision=config.precision, micro_batches=steps, gpus=gpus, sharded=config.sharded,
+            interconnect=interconnect, state_bytes=states.as_tuple(),
+        ).total_s  # fmt: skip
+    total = result.estimate.device_total_bytes
+    return PlanOption(
+        precision=config.precision,
+        checkpointing=config.checkpointing is not None,
+        sharded=config.sharded,
+        max_micro_batch_size=result.max_batch_size,
+        micro_batch_size=micro,
+        accumulation_steps=steps,
+        device_total_bytes=total,
+        headroom_bytes=result.capacity_bytes - total,
+        remedies=config.remedies,
+        predicted_step_s=seconds,
+        changes_numerics=config.precision == "bf16-true",
+    )
+
+
+def fit_estimate_at(
+    wl: Any, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int
+) -> Estimate:
+    """The estimate of one rank at ``batch_size`` in a plan's configuration."""
+    from .checkpointing import checkpoint_classes
+    from .memory.estimate import finish_estimate, trace_for_device
+    from .memory.sharding import shard_trace
+    from .precision import policy_for
+
+    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
+    classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)
+    trace = trace_for_device(wl, batch_size, dev, policy, classes)
+    if sharded:
+        trace = shard_trace(trace, gpus)
+    return finish_estimate(trace, wl, batch_size, dev, policy, classes)
