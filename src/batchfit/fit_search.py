@@ -1,0 +1,208 @@
+"""The search for the largest batch size that fits, given a way to ask whether one does.
+
+Two traces (at batch sizes 2 and 3) draw a line of memory over the batch size (``memory/scaling.py``);
+the largest batch the line predicts to fit is found by bisection over replays of the allocator model,
+bracketed first by the allocated bytes alone, then settled by ``verify`` (a trace, a real step, or the
+line itself) at the guess and its neighbour. When the step's code depends on the batch size and no
+line can be drawn, it doubles and bisects on traces. ``batchfit.fit`` sets the search up and turns its
+answer into a ``FitResult``; the state of one search (``_Search``) is never carried between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .devices import Device
+from .errors import ConfigError, DoesNotFitError
+from .memory.estimate import Estimate, finish_estimate, read_peak, trace_for_device
+from .memory.scaling import TraceLine
+from .memory.trace import MemoryTrace
+from .precision import PrecisionPolicy
+from .units import format_bytes
+
+_MAX_BATCH = 1 << 40
+
+
+@dataclass(frozen=True)
+class FitAttempt:
+    """One batch size the fitter looked at."""
+
+    batch_size: int
+    device_total_bytes: int | None
+    fits: bool
+    kind: str
+    """``"trace"`` (a traced step), ``"real"`` (a real step on the device) or ``"predicted"``."""
+
+
+class _Search:
+    """Search state of one ``fit`` call (kept local: nothing is carried between calls)."""
+
+    def __init__(
+        self,
+        workload: Any,
+        device: Device,
+        policy: PrecisionPolicy,
+        classes: tuple[type, ...],
+        budget: int,
+        *,
+        expandable_segments: bool = False,
+        reserved_only: bool = False,
+        shard_over: int = 1,
+    ) -> None:
+        self.workload, self.device, self.policy, self.classes = workload, device, policy, classes
+        self.budget = budget
+        self.expandable_segments = expandable_segments
+        self.reserved_only = reserved_only  # a simulated device limits what the allocator reserves
+        self.shard_over = shard_over
+        self.traces: dict[int, MemoryTrace] = {}
+        self.estimates: dict[int, Estimate] = {}
+        self.attempts: list[FitAttempt] = []
+        self.trials = 0
+        self.line: TraceLine | None = None
+        self.progress: Callable[[str], None] | None = None
+
+    def traced(self, b: int) -> Estimate:
+        if b not in self.estimates:
+            if self.progress is not None:
+                self.progress(f"tracing a step of {b} item{'s' if b != 1 else ''}")
+            trace = trace_for_device(self.workload, b, self.device, self.policy, self.classes)
+            self.traces[b] = trace
+            self.estimates[b] = self._estimate(trace, b)
+            self.trials += 1
+            est = self.estimates[b]
+            self.attempts.append(FitAttempt(b, est.device_total_bytes, self.fits(est), "trace"))
+        return self.estimates[b]
+
+    def _estimate(self, trace: MemoryTrace, b: int) -> Estimate:
+        if self.shard_over > 1:
+            from .memory.sharding import shard_trace
+
+            trace = shard_trace(trace, self.shard_over)
+        return finish_estimate(
+            trace,
+            self.workload,
+            b,
+            self.device,
+            self.policy,
+            self.classes,
+            self.expandable_segments,
+            allocator_capacity=self.budget if self.reserved_only else self.budget - self.device.context_bytes,
+        )
+
+    def fits(self, est: Estimate) -> bool:
+        used = est.peak_reserved_bytes if self.reserved_only else est.device_total_bytes
+        return used <= self.budget
+
+    def predicted_fits(self, line: TraceLine, b: int) -> bool:
+        return self.fits(self._estimate(line.at(b), b))
+
+    def allocated_fits(self, line: TraceLine, b: int) -> bool:
+        """A necessary condition, without replaying the allocator: what live tensors hold (plus the
+        context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
+        trace = line.at(b)
+        if self.shard_over > 1:
+            from .memory.sharding import shard_trace
+
+            trace = shard_trace(trace, self.shard_over)
+        held = read_peak(trace, rounded=not self.device.exact).peak_bytes
+        return held + (0 if self.reserved_only else self.device.context_bytes) <= self.budget
+
+
+def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
+    """The largest b predicted to fit: bracketed by the cheap allocated-bytes bound, then settled with
+    the allocator model (each replay costs a pass over the trace's events; a few near the answer)."""
+    lo, hi = known_fit, known_fit * 2
+    while hi < _MAX_BATCH and search.allocated_fits(line, hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if search.allocated_fits(line, mid) else (lo, mid)
+    # lo is the most the allocated bytes allow; the reserved bytes may allow a little less.
+    if search.predicted_fits(line, lo):
+        return lo
+    hi, step = lo, 1
+    while hi - step > known_fit and not search.predicted_fits(line, hi - step):
+        hi, step = hi - step, step * 2
+    lo = max(known_fit, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if search.predicted_fits(line, mid) else (lo, mid)
+    return lo
+
+
+def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int) -> DoesNotFitError:
+    low = "bf16" if device.bf16 else "fp16"  # only remedies this GPU supports
+    remedies = [] if est.precision in (low, "bf16-true") else [f"--precision {low}"]
+    if not est.checkpointing and workload.checkpoint_blocks:
+        remedies.append("--checkpointing")
+    remedies += ["more GPUs with sharding (batchfit plan --gpus N)", "a larger GPU"]
+    return DoesNotFitError(
+        f"{workload.name} does not fit on {device.name} even at batch size 1 with precision {est.precision}"
+        f"{' and checkpointing' if est.checkpointing else ''}: it needs {format_bytes(est.device_total_bytes)} "
+        f"of {format_bytes(budget)}; try {', '.join(remedies[:-1])} or {remedies[-1]}"
+    )
+
+
+def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_BATCH) -> int:
+    """The search proper; ``verify(b)`` answers "does b fit?" by the most trusted means available.
+
+    With ``cap`` the answer is at most ``cap`` (a plan needs no micro-batch above a rank's share), and
+    nothing above it is traced or run.
+    """
+    if cap <= 2:
+        for b in range(cap, 0, -1):
+            if search.fits(search.traced(b)):
+                return b
+        raise _does_not_fit(search.workload, search.device, search.traced(1), search.budget)
+    # The line is drawn through batch sizes 2 and 3, not 1 and 2: at batch size 1 broadcasting often
+    # skips reductions in backward (an expanded buffer needs no sum), so its ops differ.
+    if not search.fits(search.traced(2)):
+        first = search.traced(1)
+        if not search.fits(first):
+            raise _does_not_fit(search.workload, search.device, first, search.budget)
+        return 1
+    if not search.fits(search.traced(3)):
+        return 2
+    try:
+        line: TraceLine | None = TraceLine(search.traces[2], 2, search.traces[3], 3)
+    except ValueError:
+        line = None
+    search.line = line
+    if line is not None:
+        guess = _largest_predicted(search, line, 3)
+        if guess >= _MAX_BATCH - 1:
+            raise ConfigError(
+                "memory does not grow with the batch size; check that the workload's batch function uses its "
+                "batch_size argument"
+            )
+    else:  # the step's code depends on the batch size: double, then bisect, on traces
+        lo, hi = 3, 6
+        while hi <= cap and hi < _MAX_BATCH and search.fits(search.traced(hi)):
+            lo, hi = hi, hi * 2
+        hi = min(hi, cap + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
+        guess = lo
+    return _settle(min(guess, cap), lambda b: b <= cap and verify(b))
+
+
+def _settle(guess: int, verify: Callable[[int], bool]) -> int:
+    """The largest b with ``verify(b)``, starting at the guess: two checks when the guess is right
+    (the guess fits, one more does not), else a gallop away from it and a bisection, O(log error)."""
+    if verify(guess):
+        lo, step = guess, 1
+        while lo + step < _MAX_BATCH and verify(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+    else:
+        hi, step = guess, 1
+        while hi - step >= 1 and not verify(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(1, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if verify(mid) else (lo, mid)
+    return lo
