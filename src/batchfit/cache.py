@@ -1,335 +1,38 @@
 """The trace cache: a traced step is computed once, then reused by estimate, fit, plan and report.
 
-NOTE [ What a trace depends on ]
-A trace is a function of: the model (its modules' classes and the code of their methods, every
-parameter's and buffer's shape, dtype and trainability, the simple attributes that steer a forward,
-such as a dropout rate or a head count), the batch function, the loss and the optimizer (their code,
-and the values their closures and ``functools.partial`` arguments hold), the batch size, the
-precision, the checkpointed classes, the accumulation count, the zero-grad mode, the device's kernel
-model (cuBLAS workspaces, CPU thread count and machine for CPU kernels), and the versions of batchfit,
-torch and transformers. All of it goes into the key; anything that cannot be described (an object
-with no stable description) makes the workload uncacheable rather than risk a stale answer.
-
-A model given as a factory is described by the factory itself (its code, the code of the classes and
-helpers it calls, and its arguments: a preset's knobs, a hub model's config), without building it; a
-model given as an instance, or a factory closing over something indescribable, is built on the meta
-device (on fake tensors if meta refuses) and described by its structure. A factory whose model
-depends on what it reads from files is keyed by its code only: set ``BATCHFIT_CACHE=0`` if such a
-file changes between runs. Entries live in memory for the process and on disk (``BATCHFIT_CACHE_DIR``, else
+Entries live in memory for the process and on disk (``BATCHFIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/batchfit`` or ``~/.cache/batchfit``; ``BATCHFIT_CACHE=0`` turns the disk off), so a
 second identical command reuses the first one's traces. A file that cannot be read is ignored, with
-a note in the estimate, and replaced.
+a note in the estimate, and replaced. What goes into a key, and so when an entry is stale, is
+``cache_key.py`` (NOTE [ What a trace depends on ]); its public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import inspect
 import os
 import pickle
-import platform
-import sys
 import tempfile
-import types
-import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-_FORMAT = 1
-"""Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
+from .cache_key import Uncacheable, _describe, _digest, _library_versions, describe_model, trace_key, workload_digest
+
+__all__ = [
+    "CACHE",
+    "TraceCache",
+    "Uncacheable",
+    "cache_dir",
+    "describe_model",
+    "no_cache",
+    "trace_key",
+    "workload_digest",
+]
+
 _MEMORY_ENTRIES = 256
-_SIMPLE = (int, float, bool, str, bytes, type(None), complex)
 
 
-class Uncacheable(Exception):
-    """Part of a workload has no stable description (its trace is computed every time)."""
-
-
-# -- describing code and values ------------------------------------------------------------------
-def _code_digest(code: types.CodeType, seen: set[int]) -> list[Any]:
-    parts: list[Any] = [code.co_code, code.co_names, code.co_varnames, code.co_freevars]
-    for const in code.co_consts:
-        parts.append(_code_digest(const, seen) if isinstance(const, types.CodeType) else _describe(const, seen))
-    return parts
-
-
-def _is_library(obj: Any) -> bool:
-    """Code from torch, the standard library or site-packages: keyed by its version, not its bytes."""
-    module = getattr(obj, "__module__", None) or ""
-    root = module.split(".")[0]
-    if root in sys.stdlib_module_names or root in ("torch", "builtins", "functools", "typing"):
-        return True
-    file = getattr(sys.modules.get(module), "__file__", None) or ""
-    return "site-packages" in file or "dist-packages" in file
-
-
-def _file_digest(module_name: str | None) -> str:
-    """The digest of a user module's source file (any edit to it is a new key; "" for none)."""
-    module = sys.modules.get(module_name or "")
-    path = getattr(module, "__file__", None)
-    if not path:
-        return ""
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return ""
-    key = (path, stat.st_mtime_ns, stat.st_size)
-    digest = _FILES.get(key)
-    if digest is None:
-        with open(path, "rb") as f:
-            digest = _FILES[key] = hashlib.sha256(f.read()).hexdigest()
-    return digest
-
-
-_FILES: dict[tuple[str, int, int], str] = {}
-
-
-def _is_library_module(module: types.ModuleType) -> bool:
-    root = module.__name__.split(".")[0]
-    file = getattr(module, "__file__", None) or ""
-    return root in sys.stdlib_module_names or root == "torch" or "site-packages" in file or not file
-
-
-def _function(fn: types.FunctionType, seen: set[int]) -> list[Any]:
-    parts: list[Any] = ["fn", fn.__module__, fn.__qualname__]
-    if _is_library(fn):
-        return parts
-    parts.append(_file_digest(fn.__module__))
-    parts.append(_code_digest(fn.__code__, seen))
-    parts.append(_describe(fn.__defaults__, seen))
-    parts.append(_describe(fn.__kwdefaults__, seen))
-    for cell in fn.__closure__ or ():
-        try:
-            parts.append(_describe(cell.cell_contents, seen))
-        except ValueError:  # an empty cell
-            parts.append("<empty>")
-    # Functions and classes of the user's own code that this one calls by name (helpers, blocks).
-    for name in fn.__code__.co_names:
-        value = fn.__globals__.get(name)
-        if isinstance(value, (types.FunctionType, type)) and not _is_library(value):
-            parts.append((name, _describe(value, seen)))
-    return parts
-
-
-def _class(cls: type, seen: set[int]) -> list[Any]:
-    parts: list[Any] = ["cls", cls.__module__, cls.__qualname__]
-    if _is_library(cls):
-        return parts
-    parts.append(_file_digest(cls.__module__))
-    for klass in cls.__mro__:
-        if _is_library(klass):
-            continue
-        for name, value in sorted(vars(klass).items()):
-            if isinstance(value, (staticmethod, classmethod)):
-                value = value.__func__
-            if isinstance(value, types.FunctionType):
-                parts.append((klass.__qualname__, name, _function(value, seen)))
-            elif isinstance(value, property) and value.fget is not None:
-                parts.append((klass.__qualname__, name, _function(value.fget, seen)))
-            elif isinstance(value, _SIMPLE):
-                parts.append((klass.__qualname__, name, value))
-    return parts
-
-
-def _describe(obj: Any, seen: set[int] | None = None) -> Any:
-    """A nested, picklable description of ``obj`` that changes whenever its behaviour could.
-
-    Raises:
-        Uncacheable: an object with no stable description (an arbitrary instance, a tensor).
-    """
-    seen = set() if seen is None else seen
-    if isinstance(obj, _SIMPLE):
-        return obj
-    key = id(obj)
-    if key in seen:  # recursion (a function calling itself, mutually recursive helpers)
-        return ("<seen>", getattr(obj, "__qualname__", type(obj).__name__))
-    seen.add(key)
-    try:
-        if isinstance(obj, (list, tuple)):
-            return (type(obj).__name__, [_describe(v, seen) for v in obj])
-        if isinstance(obj, (set, frozenset)):
-            return ("set", sorted(repr(_describe(v, seen)) for v in obj))
-        if isinstance(obj, dict):
-            return ("dict", sorted((repr(k), _describe(v, seen)) for k, v in obj.items()))
-        if isinstance(obj, functools.partial):
-            return ("partial", _describe(obj.func, seen), _describe(obj.args, seen), _describe(obj.keywords, seen))
-        if isinstance(obj, types.FunctionType):
-            return _function(obj, seen)
-        if isinstance(obj, types.MethodType):
-            return ("method", _describe(obj.__func__, seen), _describe(obj.__self__, seen))
-        if isinstance(obj, type):
-            return _class(obj, seen)
-        if isinstance(obj, types.ModuleType):  # a user's module: its source (a library's: its version)
-            return ("module", obj.__name__, "" if _is_library_module(obj) else _file_digest(obj.__name__))
-        if isinstance(obj, types.BuiltinFunctionType):
-            return ("builtin", getattr(obj, "__module__", None), getattr(obj, "__qualname__", obj.__name__))
-        return _instance(obj, seen)
-    finally:
-        seen.discard(key)
-
-
-def _instance(obj: Any, seen: set[int]) -> Any:
-    import enum
-
-    import torch
-
-    if isinstance(obj, (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)):
-        return ("value", type(obj).__name__, str(obj))
-    if hasattr(obj, "to_json_string") and callable(obj.to_json_string):  # a transformers config
-        return ("config", type(obj).__qualname__, obj.to_json_string(use_diff=False))
-    if inspect.isclass(type(obj)) and hasattr(obj, "__dataclass_fields__"):
-        fields = {name: getattr(obj, name) for name in obj.__dataclass_fields__}
-        return ("dataclass", _class(type(obj), seen), _describe(fields, seen))
-    if callable(obj) and not isinstance(obj, torch.nn.Module):
-        state = getattr(obj, "__dict__", None)
-        if state is not None:
-            return ("callable", _class(type(obj), seen), _describe(dict(state), seen))
-    raise Uncacheable(f"no stable description for a {type(obj).__qualname__}")
-
-
-# -- the model -------------------------------------------------------------------------------------
-def describe_model(model: Any) -> Any:
-    """The structure a trace depends on: classes (and their code), shapes, dtypes, simple attributes."""
-    import torch
-
-    seen_classes: dict[type, Any] = {}
-    rows = []
-    for name, module in model.named_modules():
-        cls = type(module)
-        if cls not in seen_classes:
-            seen_classes[cls] = _class(cls, set())
-        tensors = [
-            (k, tuple(t.shape), str(t.dtype), bool(t.requires_grad), tuple(t.stride()))
-            for k, t in [*module._parameters.items(), *module._buffers.items()]
-            if t is not None
-        ]
-        simple = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _SIMPLE))
-        rows.append((name, cls.__module__, cls.__qualname__, tensors, simple))
-    ties = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        ties.setdefault(id(p), []).append(name)
-    shared = sorted(tuple(names) for names in ties.values() if len(names) > 1)
-    classes = sorted((c.__module__, c.__qualname__, repr(d)) for c, d in seen_classes.items())
-    return ("model", rows, shared, classes, str(torch.get_default_dtype()))
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()
-
-
-@functools.cache
-def _own_source() -> str:
-    """A digest of batchfit's own source files: a changed estimator never reuses an old trace."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        with contextlib.suppress(OSError):
-            h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _library_versions() -> tuple[str, ...]:
-    import torch
-
-    from . import __version__
-
-    versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version()]
-    for name in ("transformers", "peft"):
-        module = sys.modules.get(name)
-        versions.append(f"{name} {getattr(module, '__version__', '-')}")
-    return tuple(versions)
-
-
-def _structure(workload: Any, param_dtype: Any) -> Any:
-    """The workload's model to describe: the instance given, else built on the meta device (no fake
-    mode: importing it costs more than the build), else on fake tensors when meta refuses."""
-    import torch
-    from torch import nn
-
-    if isinstance(workload.model, nn.Module):
-        return workload.model
-    from .memory.construct import fake_construction
-    from .memory.steps import default_dtype
-
-    try:
-        with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return workload.build_model()
-    except Exception:  # noqa: BLE001 - a constructor that reads values: build it as the trace does
-        from .memory.trace import fake_model
-
-        return fake_model(workload, param_dtype)
-
-
-def workload_digest(workload: Any, param_dtype: Any) -> str:
-    """The digest of everything about ``workload`` a trace depends on (cached per workload object).
-
-    Raises:
-        Uncacheable: some part has no stable description.
-    """
-    key = (id(workload), str(param_dtype))
-    memo = _WORKLOAD_MEMO.get(key)
-    if memo is not None and memo[0]() is workload:
-        return memo[1]
-    try:  # the factory's code and arguments: no model to build
-        model_part = ("factory", _describe(workload.model), str(param_dtype))
-    except Uncacheable:  # an instance, or a factory closing over something indescribable
-        model_part = describe_model(_structure(workload, param_dtype))
-    parts = (
-        model_part,
-        _describe(workload.batch),
-        _describe(workload.loss),
-        _describe(workload.optimizer),
-        bool(workload.set_grads_to_none),
-        _describe(getattr(workload, "items", None)),
-    )
-    digest = _digest(parts)
-    try:
-        _WORKLOAD_MEMO[key] = (weakref.ref(workload), digest)
-    except TypeError:  # not weak-referenceable: recompute next time
-        pass
-    return digest
-
-
-_WORKLOAD_MEMO: dict[tuple[int, str], tuple[Callable[[], Any], str]] = {}
-
-
-def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes: tuple[type, ...]) -> str:
-    """The cache key of one trace (see NOTE [ What a trace depends on ]).
-
-    Raises:
-        Uncacheable: the workload cannot be described.
-    """
-    import torch
-
-    kernel: tuple[Any, ...]
-    if device.exact:  # CPU kernels are measured on this machine, at this thread count
-        kernel = ("cpu", platform.machine(), platform.processor(), torch.get_num_threads(),
-                  torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "")  # fmt: skip
-    else:
-        from .memory.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
-
-        kernel = ("cuda", device.cublas_workspace_bytes, device.cublas_handles, device.compute_capability,
-                  _describe(device.conv_workspace), _describe(device.conv_workspace_benchmark),
-                  device.cudnn_benchmark, _describe(CudnnFlags.current()))  # fmt: skip
-    parts = (
-        _library_versions(),
-        workload_digest(workload, policy.param_dtype),
-        batch_size,
-        policy.precision.value,
-        [_describe(c) for c in classes],
-        int(getattr(workload, "accumulation_steps", 1)),
-        kernel,
-    )
-    return _digest(parts)
-
-
-# -- storage ---------------------------------------------------------------------------------------
 def cache_dir() -> Path | None:
     """Where traces are kept on disk (None: the disk cache is off)."""
     if os.environ.get("BATCHFIT_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
