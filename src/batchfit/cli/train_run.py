@@ -1,0 +1,128 @@
+"""The process side of a ``batchfit train`` run: joining torchrun's group, checkpoints, saving, peaks.
+
+A run under torchrun joins the process group before anything is built, checkpoints after every step
+(rank 0 writes, every rank waits) with the item ids each step used, refuses to resume a checkpoint
+made with other data, and writes files atomically; the device's peak memory is read per step. The
+training loop that calls these is ``train.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+
+def _save(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then an atomic rename over it."""
+    import torch
+
+    parent = path.resolve().parent
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _peak_reader(sim: Any, device: Any) -> Callable[[], int | None]:
+    """A function returning the device's peak reserved bytes since the previous call (None on the CPU)."""
+    import torch
+
+    if sim is not None:
+
+        def simulated() -> int:
+            peak = sim.stats().peak_reserved_bytes
+            sim.reset_peak()
+            return peak
+
+        return simulated
+    if str(device).startswith("cuda"):
+
+        def cuda() -> int:
+            peak = torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+            return peak
+
+        return cuda
+    return lambda: None
+
+
+def _join_process_group(device: str, global_batch_size: int) -> Any:
+    """Under torchrun, join the process group (gloo on CPU and simulated GPUs, NCCL on CUDA)."""
+    import torch
+
+    from ..train.distributed import init_distributed, launched_by_torchrun
+
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    if world > global_batch_size:
+        raise ConfigError(
+            f"{world} processes cannot share a global batch of {global_batch_size} (each needs an item); "
+            f"use --global-batch-size >= {world} or fewer processes"
+        )
+    if world == 1:  # a single process: nothing to join (the device is checked where it is used)
+        from ..train.distributed import Place
+
+        return Place(0, 1, 0, torch.device("cpu"), None)
+    return init_distributed("cuda" if device.startswith("cuda") else "cpu")
+
+
+def _gathered_ids(ids: Any, place: Any) -> list[int]:
+    """Every rank's item ids of one step, in rank order (the item accounting a checkpoint keeps)."""
+    mine = ids.tolist()
+    if not place.distributed:
+        return mine
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * place.world_size
+    dist.all_gather_object(parts, mine)
+    return [i for part in parts for i in part]
+
+
+def _checkpoint(
+    path: Path,
+    place: Any,
+    model: Any,
+    optimizer: Any,
+    step: int,
+    item_log: list[list[int]],
+    preset: str,
+    global_batch_size: int,
+    seed: int,
+) -> None:
+    """Rank 0 writes the checkpoint of a finished step (every rank joins: FSDP gathers the states whole);
+    every rank waits for the file (no step runs ahead)."""
+    from ..train.checkpoint import save_checkpoint
+    from ..train.distributed import barrier
+
+    save_checkpoint(
+        path,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        plan={"global_batch_size": global_batch_size, "world_size": place.world_size},
+        extra={"items": item_log, "preset": preset, "seed": seed},
+    )
+    barrier(place)
+
+
+def _check_resume(payload: dict[str, Any], preset: str, global_batch_size: int, seed: int) -> None:
+    """Refuse to continue a run with other data: same preset, seed and global batch, or nothing."""
+    from ..errors import CheckpointError
+
+    extra, plan = payload.get("extra", {}), payload.get("plan") or {}
+    saved = (extra.get("preset"), extra.get("seed"), plan.get("global_batch_size"))
+    if saved != (preset, seed, global_batch_size):
+        raise CheckpointError(
+            f"the checkpoint is of {saved[0]} with seed {saved[1]} and global batch {saved[2]}, not {preset} with "
+            f"seed {seed} and global batch {global_batch_size}; resume with the same settings or another path"
+        )
