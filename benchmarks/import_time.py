@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [BASELINE, *((name, _argv(a)) for name, a in COMMANDS)]
     times: dict[str, list[float]] = {name: [] for name, _ in rows}
-    for name, argv in rows:  # one untimed run each: the file cache warm for every row
+    for _name, argv in rows:  # one untimed run each: the file cache warm for every row
         _seconds(argv)
     for _ in range(args.repeats):
         for name, argv in rows:
@@ -66,9 +66,8 @@ def main() -> None:
         table.add_column(column, justify="left" if column == "command" else "right")
     for name, argv in rows:
         median = statistics.median(times[name])
-        table.add_row(
-            name, f"{median:.3f}", f"{min(times[name]):.3f}", f"{median / base:.2f}", "yes" if imports_torch(argv) else "no"
-        )
+        torch_imported = "yes" if imports_torch(argv) else "no"
+        table.add_row(name, f"{median:.3f}", f"{min(times[name]):.3f}", f"{median / base:.2f}", torch_imported)
     Console().print(table)
 
 

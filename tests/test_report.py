@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import html
 import io
 import json
 import pickle
@@ -103,6 +104,17 @@ def test_the_plan_section_shows_the_plan_and_the_scaled_lr(built, written) -> No
     alt = PlanOption("bf16", False, False, 341, 200, 3, 400 * 2**20, 100 * 2**20, ("bf16 autocast",))
     with_alt = dataclasses.replace(built, plan=dataclasses.replace(plan, alternatives=(alt,)))
     assert "Alternatives" in render_html(with_alt) and "341" in render_html(with_alt)
+
+
+def test_the_limitations_name_the_context_this_estimate_assumed(built) -> None:
+    # A GPU given by its size gets the default context, and the page says so with the figure.
+    assumed = built.estimate.context_assumption
+    assert assumed.startswith("384.00 MiB: default") and html.escape(assumed) in render_html(built)
+    said = "1.25 GiB: measured by batchfit calibrate (h100.json)"
+    for assumption, shown in ((said, said), ("", "no CUDA context is counted")):
+        estimate = dataclasses.replace(built.estimate, context_assumption=assumption)
+        page = render_html(dataclasses.replace(built, estimate=estimate))
+        assert html.escape(shown) in page and html.escape(assumed) not in page
 
 
 def test_memory_by_batch_size_shows_the_estimates(built) -> None:

@@ -82,13 +82,27 @@ def render_html(report: Report) -> str:
     ]
     if r.sweep is not None:
         parts.append(_sweep_section(r))
-    parts.append(
-        "<h2>Limitations</h2><p>Estimated from a trace of the real step on fake tensors and a model of the CUDA "
-        "caching allocator: cuDNN workspaces, other processes on the GPU and compiled regions are not modelled, and "
-        "the CUDA context is a per-architecture constant (override with <code>--context-mib</code>).</p>"
-    )
+    parts.append(_limitations(r))
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _limitations(r: Report) -> str:
+    """What the estimate assumed rather than traced, in this report's own terms (its context's source)."""
+    context = getattr(r.estimate, "context_assumption", "")
+    context_line = (
+        f"the CUDA context is {_e(context)} (override with <code>--context-mib</code>, or measure it with "
+        "<code>batchfit calibrate</code>)"
+        if context
+        else "no CUDA context is counted on this device"
+    )
+    return (
+        "<h2>Limitations</h2><p>Estimated from a trace of the real step on fake tensors and a model of the CUDA "
+        "caching allocator. cuDNN convolution workspaces are an assumption (room for a copy of each operand) "
+        "unless a device profile measured them; other processes on the GPU are not counted and compiled regions "
+        "are traced as eager; "
+        f"{context_line}.</p>"
+    )
 
 
 def write_report(report: Report, path: str | Path, *, png_dir: str | Path | None = None) -> Path:

@@ -113,13 +113,15 @@ def _plan_section(r: Report) -> str:
                 [
                     _e(", ".join(o.remedies) or "nothing (fp32, accumulation only)"),
                     _e(f"{o.micro_batch_size} x {o.accumulation_steps}"),
+                    _e(o.max_micro_batch_size),
                     _e("-" if o.device_total_bytes is None else format_bytes(o.device_total_bytes)),
                     _e("-" if o.predicted_step_s is None else f"{o.predicted_step_s:.3g} s"),
                 ]
                 for o in p.alternatives
             ]
             out.append("<p>Alternatives that also fit, fastest first (predicted time per global batch):</p>")
-            out.append(_table(["what it changes", "micro x accum", "memory/GPU", "time/global batch"], alt))
+            head = ["what it changes", "micro x accum", "largest micro", "memory/GPU", "time/global batch"]
+            out.append(_table(head, alt))
         for w in p.warnings:
             out.append(f'<p class="note">{_e(w)}</p>')
     if r.lr is not None:

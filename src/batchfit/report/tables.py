@@ -170,7 +170,7 @@ def plan_table(plan: Any) -> Group:
         ))  # fmt: skip
     if plan.alternatives:
         alt = Table(title="alternatives that also fit (fastest first)", title_justify="left")
-        for col in ("what it changes", "micro x accum", "memory/GPU", "time/global batch"):
+        for col in ("what it changes", "micro x accum", "largest micro", "memory/GPU", "time/global batch"):
             alt.add_column(col, justify="left" if col == "what it changes" else "right")
         for o in plan.alternatives:
             total = "-" if o.device_total_bytes is None else format_bytes(o.device_total_bytes)
@@ -178,6 +178,7 @@ def plan_table(plan: Any) -> Group:
             alt.add_row(
                 Text(changes, style="bold" if getattr(o, "changes_numerics", False) else ""),
                 f"{o.micro_batch_size} x {o.accumulation_steps}",
+                str(o.max_micro_batch_size),
                 total,
                 "-" if getattr(o, "predicted_step_s", None) is None else _seconds(o.predicted_step_s),
             )
