@@ -43,8 +43,13 @@ HIDDEN = 16
 CLASSES = 3
 SEQ, VOCAB, EMBED = 16, 512, 64  # token model: 64 KiB of float64 logits per sequence
 OUTCOMES = ("exact", "re-split", "refused", "other")
-TOLERANCE = {"float64": 1e-12, "float32": 1e-4}
-"""Largest relative difference from the full-batch reference (max |a - b| / max |b| per tensor)."""
+TOLERANCE = {"float64": 1e-12, "float32": 1e-3}
+"""Largest relative difference from the full-batch reference (max |a - b| / max |b| per tensor).
+
+Measured on 120 cases on a GPU too large to re-split: float64 up to 1.6e-13 (AdamW), 3e-15 (SGD);
+float32 up to 2.3e-5 (AdamW), 3e-7 (SGD), and 1.4e-4 seen (AdamW: 32768-term dot products summed
+in another order per micro-batch size, then normalised by Adam). A wrong split is far above: one of
+80 items lost moves AdamW's parameters by about 1e-2 of their size (and the item count catches it)."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.utils._pytree import tree_flatten
 
 from .devices import Device, get_device
