@@ -462,7 +462,7 @@ def test_a_model_larger_than_the_simulated_gpu() -> None:
 def test_a_simulated_device_given_but_not_entered_is_used_as_a_gpu() -> None:
     """The Trainer places the model on the device it is given and copies each micro-batch there, entered
     or not: the same run, the same bytes, the same parameters as when the caller enters it."""
-    runs = []
+    runs, batches = [], data(2)  # made on the host, before any device is entered
     for entered in (False, True):
         model = build_faulty()
         gpu = SimulatedDevice("1GiB")
@@ -470,7 +470,7 @@ def test_a_simulated_device_given_but_not_entered_is_used_as_a_gpu() -> None:
             trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_fn,
                               global_batch_size=12, micro_batch_size=4, device=gpu)  # fmt: skip
             placed = gpu.stats().allocated_bytes
-            results = [trainer.step(b) for b in data(2)]
+            results = [trainer.step(b) for b in batches]
         assert gpu.active is False
         runs.append((model, placed, gpu.stats(), results))
     (model, placed, stats, results), (_, placed_entered, stats_entered, _) = runs
@@ -479,7 +479,7 @@ def test_a_simulated_device_given_but_not_entered_is_used_as_a_gpu() -> None:
     assert stats.peak_allocated_bytes == stats_entered.peak_allocated_bytes > placed
     assert [r.micro_batch_sizes for r in results] == [(4, 4, 4)] * 2
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), runs[1][0].parameters()))
-    assert_same(model, reference_params(data(2)))
+    assert_same(model, reference_params(batches))
 
 
 def test_micro_batch_sizes_after_a_resplit_cover_the_rest() -> None:
