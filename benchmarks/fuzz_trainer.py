@@ -2,7 +2,7 @@
 
 Every run is a ``tests/fuzz_cases.Case`` (global batch 4-80, a random micro-batch, 1-3 steps, SGD with
 momentum or AdamW, clipping on/off, a mean or a padded token loss, float64 or float32, a simulated GPU
-of 16-96 MiB that the caller enters or only passes to the Trainer), drawn from ``random.Random(seed)``.
+of 24-72 MiB that the caller enters or only passes to the Trainer), drawn from ``random.Random(seed)``.
 A finished run must equal the full-batch reference (float64: 1e-12, float32: 1e-4, relative) and use
 every item exactly once; otherwise it must end in one ``DoesNotFitError``. ``other`` counts everything
 else and must be 0. Then ``batchfit.cli.main`` is fed generated argument lists (``tests/cli_fuzz.py``):
@@ -18,6 +18,7 @@ import argparse
 import collections
 import logging
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -91,11 +92,11 @@ def main() -> int:
 
 
 def _where(detail: str) -> str:
-    """The message up to its first parenthesis or colon: groups refusals by where they struck."""
+    """The message up to its first parenthesis or colon, the capacity left out: refusals by where they struck."""
     for sep in (" (", ": "):
         if sep in detail:
             detail = detail.split(sep)[0]
-    return detail[:120]
+    return re.sub(r"a simulated [0-9.]+ MiB GPU", "the simulated GPU", detail)[:120]
 
 
 if __name__ == "__main__":

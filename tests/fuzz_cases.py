@@ -257,7 +257,7 @@ def case_from(draw: Any, seed: int) -> Case:
         clip=(None, 0.5)[draw(0, 1)],
         loss=("mean", "tokens")[draw(0, 1)],
         dtype=("float64", "float32")[draw(0, 1)],
-        capacity_mib=draw(16, 96),
+        capacity_mib=draw(24, 72),
         entered=bool(draw(0, 1)),
         scheduled=bool(draw(0, 1)),
         seed=seed,

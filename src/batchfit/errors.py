@@ -5,7 +5,8 @@ Map of the tree (kept shallow on purpose, so callers catch one thing)::
     BatchfitError                      base of everything batchfit raises on purpose
     ├── ConfigError (+ ValueError)     bad input: a size, a name, a capacity, a batch, a loss
     │   └── UnknownNameError (+ KeyError-like message)   unknown device or preset
-    ├── DoesNotFitError                even one item does not fit; names the remedy
+    ├── DoesNotFitError                even one item does not fit, or a stage of a step; names the remedy
+    │   └── (train.outofmemory.MicroBatchOutOfMemory: one micro-batch; also a torch.OutOfMemoryError)
     ├── TraceError                     the training step failed while traced (names the module and op)
     └── CheckpointError                unreadable, partial or mismatched checkpoint
 

@@ -111,7 +111,8 @@ def run_window(
 
     Args:
         acc: the accumulator the micro-batches add into (reset when a backward fails part-way). Its
-            ``planned_micro_batch_size`` follows the re-plans (and, under DDP, the other ranks').
+            ``planned_micro_batch_size`` is set to each re-plan's size (under DDP the ranks then agree
+            on the smallest, at the window's last micro-batch).
         batch: this rank's share of one global batch.
         sizes: the planned micro-batch sizes, summing to the share's size.
         run_micro: runs one micro-batch.
@@ -129,7 +130,6 @@ def run_window(
     n = sum(sizes)
     pending = list(sizes)
     micro_batch_size = max(sizes)
-    acc.planned_micro_batch_size = micro_batch_size
     done = 0  # items of the share whose gradients are in acc
     replans: list[Replan] = []
     while pending:

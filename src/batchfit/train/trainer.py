@@ -222,11 +222,15 @@ class Trainer:
         assert self.micro_batch_size is not None
         acc = self.accumulator
         acc.where = self._where.name
+        acc.planned_micro_batch_size = self.micro_batch_size
         sizes = self._splits or micro_batch_sizes(n, self.micro_batch_size)
         micro, replans = run_window(acc, batch, sizes, self._run_micro, cache=self._where.cache, where=acc.where)
-        micro = min(micro, acc.planned_micro_batch_size or micro)  # under DDP: the smallest any rank needs
-        if replans or micro != self.micro_batch_size:
-            self.micro_batch_size, self._splits = micro, None
+        planned = micro if replans else self.micro_batch_size
+        agreed = acc.planned_micro_batch_size  # under DDP: the smallest size any rank needs from now on
+        if agreed is not None and agreed < planned:
+            planned = agreed
+        if planned != self.micro_batch_size:
+            self.micro_batch_size, self._splits = planned, None
             self._advise_batchnorm()
         try:
             result = acc.step()
