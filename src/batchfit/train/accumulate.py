@@ -9,9 +9,8 @@ design notes).
 
 ``Accumulator`` is the piece for people who keep their own loop; ``batchfit.Trainer`` is built on it.
 On the way it measures the gradient noise scale (see NOTE [ Gradient noise scale from the window ] in
-``window_noise``).
-One micro-batch's context and its weighted backward live in ``micro_step``, the stages of ``step``
-after the window's totals in ``finish``, the step's result in ``results``.
+``window_noise``). One micro-batch's context and its weighted backward live in ``micro_step``, the
+stages of ``step`` after the window's totals in ``finish``, the step's result in ``results``.
 
 Example:
     >>> import torch
@@ -36,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +55,6 @@ from .results import StepResult
 from .window_noise import small_batch_terms
 
 __all__ = ["MEAN", "TOKENS", "Accumulator", "MicroStep", "StepResult", "loss_terms", "micro_batch_sizes"]
-
-log = logging.getLogger("batchfit")
 
 def micro_batch_sizes(n_items: int, micro_batch_size: int) -> list[int]:
     """The split rule: ``ceil(n / micro)`` micro-batches whose sizes differ by at most one, larger first.
