@@ -84,3 +84,34 @@ def cases(draw: st.DrawFn) -> Case:
 def test_every_generated_run_is_exact_or_refused_in_one_line(case: Case) -> None:
     outcome = run_case(case)
     assert outcome.kind in ("exact", "re-split", "refused"), (case, outcome)
+
+
+@pytest.mark.parametrize("mutation", ["weight", "shift"])
+def test_the_invariant_catches_a_wrong_split(monkeypatch: pytest.MonkeyPatch, mutation: str) -> None:
+    """The check is not vacuous: a first micro-batch weighted 1.5 times, or one item used twice and
+    another never (a slice shifted by one item), is classified ``other``."""
+    import batchfit.train.micro_step as micro_step_module
+    import batchfit.train.oom as oom_module
+
+    case = Case(24, 8, 1, "adamw", None, "mean", "float64", 1024, True, False, seed=5)
+    assert run_case(case).kind == "exact"
+    calls = [0]
+    if mutation == "weight":
+        real = micro_step_module.MicroStep.backward_weighted
+
+        def heavier(self: micro_step_module.MicroStep, out: object) -> object:
+            calls[0] += 1
+            return real(self, out * 1.5 if calls[0] == 1 else out)  # type: ignore[operator]
+
+        monkeypatch.setattr(micro_step_module.MicroStep, "backward_weighted", heavier)
+    else:
+        real_slice = oom_module.slice_batch
+
+        def shifted(batch: object, start: int, stop: int) -> object:
+            calls[0] += 1
+            return real_slice(batch, start + 1, stop + 1) if calls[0] == 1 else real_slice(batch, start, stop)
+
+        monkeypatch.setattr(oom_module, "slice_batch", shifted)
+    outcome = run_case(case)
+    assert outcome.kind == "other" and calls[0] > 0
+    assert outcome.detail.startswith("finished but differs from the full batch by")

@@ -35,8 +35,9 @@ log = logging.getLogger("batchfit")
 # that, still in the forward phase where an OOM only re-splits, the window's totals are computed, so
 # that nothing needs memory between the last backward and ``step``'s all-reduce. What remains is an
 # OOM inside the synchronising backward itself: its all-reduce has started, so it cannot be redone;
-# that rank raises a ``DoesNotFitError`` naming a smaller micro-batch, and the others are stopped by
-# torchrun (or the group's timeout), not left to hang forever.
+# that rank raises a ``DoesNotFitError`` naming a smaller micro-batch, and the others, waiting in the
+# all-reduce, fail when its process leaves (gloo reports the closed connection; torchrun stops the
+# job) or at the process group's timeout, not never.
 
 MEAN = "mean"
 """The loss returned a scalar: the mean over the micro-batch's items (leading dimension)."""
@@ -206,7 +207,7 @@ class MicroStep:
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
-                acc._small = None  # the measurement is advice: the step goes on without it (see accumulate)
+                acc._small = None  # advice only: see NOTE [ Gradient noise scale from the window ]
                 log.warning("out of memory on %s while measuring the gradient noise scale (%s): this step is not "
                             "measured", acc.where, oom_summary(exc))  # fmt: skip
         return detached
