@@ -144,7 +144,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}; train without --resume or give the right path")
+        raise CheckpointError(
+            f"no checkpoint file at {path!s}; give the path of a checkpoint file (`batchfit train --checkpoint "
+            "PATH` writes one there)"
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, corrupt bytes, a pickle weights_only refuses
