@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from typing import Any
 
@@ -458,14 +459,27 @@ def test_a_model_larger_than_the_simulated_gpu() -> None:
                     micro_batch_size=2, device=gpu)
 
 
-def test_the_simulated_device_must_be_entered() -> None:
-    from batchfit.errors import ConfigError
-
-    model = build_faulty()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, global_batch_size=12,
-                      micro_batch_size=4, device=SimulatedDevice("1GiB"))
-    with pytest.raises(ConfigError, match="enter the simulated device"):
-        trainer.step(data(1)[0])
+def test_a_simulated_device_given_but_not_entered_is_used_as_a_gpu() -> None:
+    """The Trainer places the model on the device it is given and copies each micro-batch there, entered
+    or not: the same run, the same bytes, the same parameters as when the caller enters it."""
+    runs, batches = [], data(2)  # made on the host, before any device is entered
+    for entered in (False, True):
+        model = build_faulty()
+        gpu = SimulatedDevice("1GiB")
+        with gpu if entered else contextlib.nullcontext():
+            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_fn,
+                              global_batch_size=12, micro_batch_size=4, device=gpu)  # fmt: skip
+            placed = gpu.stats().allocated_bytes
+            results = [trainer.step(b) for b in batches]
+        assert gpu.active is False
+        runs.append((model, placed, gpu.stats(), results))
+    (model, placed, stats, results), (_, placed_entered, stats_entered, _) = runs
+    # float64 l1 (16x6 = 768 B, 16 = 128 B) and l2 (3x16 = 384 B, 3 = 24 B), each rounded up to 512 B
+    assert placed == placed_entered == 1024 + 3 * 512
+    assert stats.peak_allocated_bytes == stats_entered.peak_allocated_bytes > placed
+    assert [r.micro_batch_sizes for r in results] == [(4, 4, 4)] * 2
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), runs[1][0].parameters()))
+    assert_same(model, reference_params(batches))
 
 
 def test_micro_batch_sizes_after_a_resplit_cover_the_rest() -> None:

@@ -7,7 +7,8 @@ Map of the tree (kept shallow on purpose, so callers catch one thing)::
     │   ├── UnknownNameError (+ KeyError-like message)   unknown device or preset
     │   ├── ProfileError               a device profile that is unreadable or not for this device
     │   └── NoGpuError                 a command that must measure a GPU, run where none is visible
-    ├── DoesNotFitError                even one item does not fit; names the remedy
+    ├── DoesNotFitError                even one item does not fit, or a stage of a step; names the remedy
+    │   └── (train.outofmemory.MicroBatchOutOfMemory: one micro-batch; also a torch.OutOfMemoryError)
     ├── TraceError                     the training step failed while traced (names the module and op)
     └── CheckpointError                unreadable, partial or mismatched checkpoint
 

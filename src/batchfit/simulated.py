@@ -8,6 +8,15 @@ the CPU kernels are also made to allocate like CUDA's (dropout masks, attention,
 ops, cuBLAS workspaces), so a real run inside the simulated device and the estimator's trace see the
 same storages.
 
+NOTE [ What the simulated GPU holds ]
+A GPU holds what was put on it: tensors made by ops while the device is entered (its thread's
+factories and every op's fresh output), the model once it is placed there (``track``) and host
+tensors copied there (``to_device``). It does not hold the host's tensors: those made before the
+device was entered, in another thread (a data loader), or the caller's global batch. An op whose
+output shares an input's storage (a view such as the micro-batch slice ``batch[i:j]``, or an in-place
+op) allocates nothing; on a host tensor it stays on the host. Registering such a view as new would
+put the whole host storage on the device (every item of the global batch at the first slice).
+
 Example:
     >>> import torch
     >>> from batchfit import SimulatedDevice
@@ -28,12 +37,45 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .devices import Device, get_device
 from .memory.allocator import AllocatorStats, CachingAllocator
 from .memory.tracker import StorageTracker
 from .precision import PrecisionPolicy
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
+
+
+class _DeviceStorages(StorageTracker):
+    """The storage tracker of a simulated GPU: an op's output that aliases a host tensor stays on the host.
+
+    See NOTE [ What the simulated GPU holds ]. The estimator's tracker (on fake tensors, where every
+    input was made inside the trace) is the plain ``StorageTracker``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._op_inputs: tuple[tuple, dict] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self._op_inputs = (args, kwargs or {})
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._op_inputs = None
+
+    def register(self, t: torch.Tensor) -> int | None:
+        if self._op_inputs is not None and self.storage_id(t) is None and self._aliases_an_input(t):
+            return None  # a view of (or an in-place op on) a host tensor: no allocation on the device
+        return super().register(t)
+
+    def _aliases_an_input(self, t: torch.Tensor) -> bool:
+        assert self._op_inputs is not None
+        key = t.untyped_storage()._cdata  # the StorageImpl itself: views of one tensor share it
+        for leaf in tree_flatten(self._op_inputs)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata == key:
+                return True
+        return False
 
 
 class SimulatedDevice:
@@ -47,8 +89,11 @@ class SimulatedDevice:
 
     Limitations:
         CPU kernels' own scratch is not counted (it is CPU memory); CUDA's kernel workspaces are
-        modelled as in the estimator. Tensors that exist before entering are not on the device
-        unless passed to ``track``.
+        modelled as in the estimator. Tensors that exist before entering, or are made in another
+        thread, are host tensors: not on the device unless passed to ``track`` or copied there with
+        ``to_device`` (see NOTE [ What the simulated GPU holds ]). Inside, every factory allocates on
+        the device, as under ``torch.set_default_device("cuda")``: a tensor meant for the host
+        (``torch.zeros(..., device="cpu")``) is counted too.
     """
 
     def __init__(
@@ -72,7 +117,7 @@ class SimulatedDevice:
         self.allocator = CachingAllocator(self.capacity_bytes, expandable_segments=expandable_segments)
         self._policy = policy
         self._handles: dict[int, int] = {}
-        self._tracker = StorageTracker(self._on_alloc, self._on_free, self._after_op)
+        self._tracker = _DeviceStorages(self._on_alloc, self._on_free, self._after_op)
         self._stack: contextlib.ExitStack | None = None
         from .memory.cuda import CudaKernels
 
@@ -115,6 +160,45 @@ class SimulatedDevice:
                 tensors = obj
             for t in tensors:
                 self._tracker.register(t)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """True when ``t``'s storage is on the simulated device (made there, tracked or copied there)."""
+        return self._tracker.storage_id(t) is not None
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` on the simulated GPU, as ``.to("cuda")`` would give it: host tensors are copied
+        there (and counted from now), tensors already on it are returned as they are.
+
+        Works whether or not the device is entered. ``batch`` is a tensor or a (nested) tuple, list or
+        dict of them.
+
+        Raises:
+            torch.OutOfMemoryError: a copy does not fit (nothing of it stays on the device).
+        """
+        from .batching import map_tensors
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if self.holds(t):
+                return t
+            copy = t.clone()  # registered by the tracker when entered in this thread
+            self._tracker.register(copy)  # and here when not (idempotent when it already was)
+            return copy
+
+        return map_tensors(batch, move)
+
+    @property
+    def label(self) -> str:
+        """The device in messages: ``a simulated 64.00 MiB GPU``, ``a simulated T4 GPU``."""
+        generic = self.device.name.startswith("simulated")  # a bare capacity, not a catalog GPU
+        return f"a simulated {format_bytes(self.capacity_bytes) if generic else self.device.name} GPU"
+
+    def using(self) -> contextlib.AbstractContextManager:
+        """This device entered for a ``with`` block, unless it is entered already (then nothing to do).
+
+        What a ``Trainer`` or ``Accumulator`` given the device does around its work, so that a caller
+        need not enter it (a GPU is used by whoever is given it).
+        """
+        return contextlib.nullcontext(self) if self.active else self
 
     # -- statistics ---------------------------------------------------------------------------
     def stats(self) -> AllocatorStats:

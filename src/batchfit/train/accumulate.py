@@ -8,7 +8,9 @@ scheduler and ``zero_grad`` each run once per global batch (see "Exact large-bat
 design notes).
 
 ``Accumulator`` is the piece for people who keep their own loop; ``batchfit.Trainer`` is built on it.
-On the way it measures the gradient noise scale (see NOTE [ Gradient noise scale from the window ]).
+On the way it measures the gradient noise scale (see NOTE [ Gradient noise scale from the window ] in
+``window_noise``). One micro-batch's context and its weighted backward live in ``micro_step``, the
+stages of ``step`` after the window's totals in ``finish``, the step's result in ``results``.
 
 Example:
     >>> import torch
@@ -35,27 +37,24 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..advice.noise_scale import GradientNoiseScale, grad_sq_norm
+from ..advice.noise_scale import GradientNoiseScale
 from ..batching import Batch, batch_size_of
-from ..errors import ConfigError
+from ..errors import ConfigError, DoesNotFitError
 from ..precision import Precision, policy_for
-from .distributed import all_reduce_sum, distributed, no_sync_of, world_size
+from ..simulated import SimulatedDevice
+from .distributed import all_reduce_sum, distributed, world_size
+from .finish import finish_window, refusing, stacked
 from .fsdp import is_sharded
+from .micro_step import MEAN, TOKENS, MicroStep, loss_terms
+from .results import StepResult
+from .window_noise import small_batch_terms
 
-if TYPE_CHECKING:
-    from .oom import Replan
-
-MEAN = "mean"
-"""The loss returned a scalar: the mean over the micro-batch's items (leading dimension)."""
-TOKENS = "tokens"
-"""The loss returned ``(loss_sum, n_items)``: a sum over loss-carrying units (non-padding tokens)."""
-
+__all__ = ["MEAN", "TOKENS", "Accumulator", "MicroStep", "StepResult", "loss_terms", "micro_batch_sizes"]
 
 def micro_batch_sizes(n_items: int, micro_batch_size: int) -> list[int]:
     """The split rule: ``ceil(n / micro)`` micro-batches whose sizes differ by at most one, larger first.
@@ -74,69 +73,6 @@ def micro_batch_sizes(n_items: int, micro_batch_size: int) -> list[int]:
     return [q + 1] * r + [q] * (k - r)
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did, for logs, progress bars and JSON."""
-
-    loss: float
-    """The global batch's loss: the sum of every item's (token's) loss over all ranks, divided by ``n_items``."""
-    n_items: int
-    """The divisor of ``loss``: items (mean losses) or loss-carrying tokens (token losses), over all ranks."""
-    micro_batch_size: int
-    """The micro-batch size in effect at the end of the step (smaller than at its start after an OOM)."""
-    accumulation_steps: int
-    """Micro-batches whose gradients make up this step on this rank."""
-    micro_batch_sizes: tuple[int, ...]
-    """Their sizes, in order (this rank)."""
-    grad_norm: float | None = None
-    """Total gradient norm before clipping (None without ``max_grad_norm``)."""
-    skipped: bool = False
-    """True when the fp16 ``GradScaler`` found inf/NaN gradients and skipped the optimizer step."""
-    replanned: tuple[Replan, ...] = field(default=())
-    """Re-plans after out-of-memory errors during this step (see ``batchfit.train.oom``)."""
-    step: int = 0
-    """Index of this optimizer step, from 0."""
-    noise_scale: float | None = None
-    """The gradient noise scale ``B_simple`` measured so far (None while off or not yet resolved)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values for JSON."""
-        out = asdict(self)
-        out["micro_batch_sizes"] = list(self.micro_batch_sizes)
-        out["replanned"] = [asdict(r) for r in self.replanned]
-        return out
-
-
-# -- loss forms ---------------------------------------------------------------------------------------
-def loss_terms(out: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
-    """``(value, count)`` from what a loss returned: ``(mean, None)`` or ``(loss_sum, n_items)``.
-
-    Raises:
-        ConfigError: the loss is neither a scalar float tensor nor a pair ``(loss_sum, n_items)``.
-    """
-    if isinstance(out, torch.Tensor):
-        if out.dim() != 0 or not out.is_floating_point():
-            raise ConfigError(
-                f"the loss returned a tensor of shape {tuple(out.shape)} and dtype {out.dtype}; return a scalar "
-                "float tensor (the mean over the micro-batch) or a tuple (loss_sum, n_items)"
-            )
-        return out, None
-    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        total, count = out
-        if total.dim() != 0 or not total.is_floating_point():
-            raise ConfigError(f"the loss's loss_sum has shape {tuple(total.shape)}; it must be a scalar float tensor")
-        if isinstance(count, torch.Tensor):
-            if count.dim() != 0 or count.is_complex() or count.dtype == torch.bool:
-                raise ConfigError("the loss's n_items must be an int or a 0-d tensor (the count it summed over)")
-        elif isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ConfigError(f"the loss's n_items must be an int >= 0 or a 0-d tensor, got {count!r}")
-        return total, count
-    raise ConfigError(
-        f"the loss returned {type(out).__name__}; return a scalar float tensor (the mean over the micro-batch) "
-        "or a tuple (loss_sum, n_items) for token-level losses"
-    )
-
-
 # NOTE [ Dividing by a count known only at the end ]
 # The global loss is sum(per-item losses) / N. For a mean loss N is the number of items, known before
 # anything runs: micro-batch m contributes mean_m * n_m * W / G (W ranks, G the global batch; DDP then
@@ -149,105 +85,6 @@ def loss_terms(out: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
 # N_prev / N: one in-place op per parameter, exact up to rounding (float64: ~1e-16 relative). Scaling by
 # N_prev rather than 1 keeps gradients at the size of a mean, which fp16's GradScaler needs (a sum over
 # thousands of tokens would overflow its scaled activation gradients).
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of ``t``'s global value (``clip_grad_norm_`` of sharded gradients returns a DTensor)."""
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
-
-
-class MicroStep:
-    """One micro-batch (a context manager from ``Accumulator.accumulate``): call ``backward_weighted`` once.
-
-    Entering it enters autocast (for the forward) and, unless it is the window's last micro-batch,
-    the model's ``no_sync``; leaving it checks that the backward ran, and marks the window as needing
-    a ``reset`` if an error struck part-way through the backward.
-    """
-
-    __slots__ = ("_acc", "n_items", "last", "backward_started", "done", "_stack")
-
-    def __init__(self, acc: Accumulator, n_items: int, last: bool) -> None:
-        self._acc = acc
-        self.n_items = n_items
-        """Items (leading dimension) in this micro-batch."""
-        self.last = last
-        self.backward_started = False
-        self.done = False
-        self._stack: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> MicroStep:
-        acc = self._acc
-        no_sync = None if self.last else no_sync_of(acc.model)
-        if no_sync is None and acc._autocast is None:
-            return self  # nothing to enter: the plain single-process fp32 loop pays nothing here
-        stack = contextlib.ExitStack()
-        with stack:
-            if no_sync is not None:
-                stack.enter_context(no_sync())
-            if acc._autocast is not None:
-                stack.enter_context(acc._autocast())
-            self._stack = stack.pop_all()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._stack is not None:
-            self._stack.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
-            if self.backward_started and not self.done:
-                self._acc._dirty = True  # some .grad already hold part of this micro-batch
-            return
-        if not self.done:
-            raise ConfigError("call backward_weighted(loss) once inside each accumulate() block")
-
-    def backward_weighted(self, out: Any) -> torch.Tensor:
-        """Backpropagate the loss weighted by this micro-batch's share of the global batch's count.
-
-        Args:
-            out: what the loss returned for this micro-batch: a scalar mean over its items, or
-                ``(loss_sum, n_items)`` for token losses (padding excluded from both).
-
-        Returns:
-            The unweighted loss value (detached): the mean, or the sum for token losses.
-
-        Raises:
-            ConfigError: the loss is neither form, mixes forms within a window, or is called twice.
-        """
-        acc = self._acc
-        if self.done or self.backward_started:
-            raise ConfigError("backward_weighted was called twice for one micro-batch; call it once per micro-batch")
-        value, count = loss_terms(out)
-        form = MEAN if count is None else TOKENS
-        if acc._form is None:
-            acc._form = form
-        elif acc._form != form:
-            raise ConfigError(
-                "the loss returned a mean for some micro-batches and (loss_sum, n_items) for others; "
-                "return the same form for every micro-batch"
-            )
-        padding = self.n_items == 0  # run for its collectives only (FSDP; see batching.make_splits)
-        if padding:
-            weighted = value * 0.0  # adds exactly zero to every gradient
-        elif form == MEAN:
-            weighted = value * (self.n_items * acc.world_size / acc.global_batch_size)  # mean * n / N
-        else:
-            weighted = value * (acc.world_size / acc._token_divisor)  # loss_sum / N_prev (NOTE above)
-        if acc.grad_scaler is not None:
-            weighted = acc.grad_scaler.scale(weighted)
-        self.backward_started = True
-        if acc._autocast is not None:  # backward outside autocast, as torch.amp recommends
-            with torch.autocast(acc.device_type, enabled=False):
-                weighted.backward()
-        else:
-            weighted.backward()
-        self.done = True
-        detached = value.detach()
-        acc._values.append(torch.zeros_like(detached) if padding else detached)
-        acc._counts.append(self.n_items if count is None or padding else count)
-        acc._sizes.append(self.n_items)
-        if acc.noise_scale is not None and not self.last and not padding and len(acc._values) == 1:
-            acc._read_small_gradient(self.n_items if count is None else count)
-        return detached
 
 
 class Accumulator:
@@ -270,12 +107,20 @@ class Accumulator:
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; by default that of the first parameter.
         noise_scale: measure the gradient noise scale into this ``GradientNoiseScale`` (True: a new
             one, False: off); see NOTE [ Gradient noise scale from the window ].
+        device: a ``SimulatedDevice`` to train on, entered or not: the model's parameters, buffers
+            and optimizer state are placed on it now, and every ``accumulate`` block and ``step`` run
+            on it. Copy micro-batches there with ``device.to_device(batch)``, as ``.to("cuda")`` would.
+            Real devices need nothing here: the tensors say where they are.
 
     Windows start from no gradients: any the parameters hold when the Accumulator is built are dropped.
+    An out-of-memory error in a micro-batch block leaves it as a ``MicroBatchOutOfMemory`` saying what
+    still holds; one in ``step`` as a ``DoesNotFitError`` naming the stage (see NOTE [ Out of memory
+    while finishing the window ] in ``finish``).
 
     Raises:
         ConfigError: a non-positive global batch or ``max_grad_norm``, an unknown precision, or a
             ``noise_scale`` that is neither a bool nor a ``GradientNoiseScale``.
+        DoesNotFitError: the model does not fit on the simulated ``device``.
     """
 
     def __init__(
@@ -290,6 +135,7 @@ class Accumulator:
         precision: str | Precision = "fp32",
         device_type: str | None = None,
         noise_scale: GradientNoiseScale | bool = True,
+        device: SimulatedDevice | None = None,
     ) -> None:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
@@ -299,6 +145,8 @@ class Accumulator:
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(noise_scale, (bool, GradientNoiseScale)):
             raise ConfigError(f"noise_scale must be True, False or a GradientNoiseScale, got {noise_scale!r}")
+        if device is not None and not isinstance(device, SimulatedDevice):
+            raise ConfigError(f"device must be a SimulatedDevice or None, got {type(device).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.global_batch_size = global_batch_size
@@ -308,6 +156,10 @@ class Accumulator:
             first = next(model.parameters(), None)
             device_type = first.device.type if first is not None else "cpu"
         self.device_type = device_type
+        self.simulated = device
+        """The simulated GPU the window runs on (None: wherever the tensors are)."""
+        self.where = device.label if device is not None else device_type
+        """The device in messages (the Trainer sets its own name, ``cuda:0``, ``a simulated T4 GPU``)."""
         policy = policy_for(precision)
         self._autocast: Callable[[], contextlib.AbstractContextManager] | None = policy.autocast(device_type)
         self._own_scaler = grad_scaler is None
@@ -315,12 +167,16 @@ class Accumulator:
             grad_scaler = torch.amp.GradScaler(device_type)
         self.grad_scaler = grad_scaler
         self.world_size = world_size()
+        self.planned_micro_batch_size: int | None = None
+        """The micro-batch size the caller plans for the next window (the Trainer's, after re-plans); under
+        DDP the ranks agree on the smallest at each window's last backward and leave it here."""
         self._token_divisor = float(global_batch_size)  # N_prev; see NOTE [ Dividing by a count known only at the end ]
         self._step = 0
         self._form: str | None = None
         self._values: list[torch.Tensor] = []
         self._counts: list[int | torch.Tensor] = []
         self._sizes: list[int] = []
+        self._prepared: torch.Tensor | None = None  # the window's local totals; see NOTE [ One rank out of ... ]
         self._dirty = False
         self.noise_scale: GradientNoiseScale | None = (
             GradientNoiseScale() if noise_scale is True else noise_scale or None
@@ -328,6 +184,8 @@ class Accumulator:
         """The running gradient noise scale estimate (None when off)."""
         self._small: torch.Tensor | None = None  # (3,) float64; see NOTE [ Gradient noise scale from the window ]
         self.reset()
+        if device is not None:
+            self.place_on(device)
 
     # -- per micro-batch ------------------------------------------------------------------------------
     def accumulate(self, micro_batch: Batch, *, last: bool, n_items: int | None = None) -> MicroStep:
@@ -345,6 +203,7 @@ class Accumulator:
         Raises:
             ConfigError: the previous window failed mid-backward and was not ``reset``, or (on leaving
                 the block) the body did not call ``backward_weighted``.
+            MicroBatchOutOfMemory: (on leaving the block) the micro-batch ran out of memory.
         """
         if self._dirty:
             raise ConfigError(
@@ -370,8 +229,26 @@ class Accumulator:
         self._values.clear()
         self._counts.clear()
         self._sizes.clear()
+        self._prepared = None
         self._small = None
         self._dirty = False
+
+    def place_on(self, device: SimulatedDevice) -> None:
+        """Put the model's parameters and buffers, and any optimizer state, on the simulated ``device``.
+
+        What ``model.to("cuda")`` does on a GPU; idempotent (a tensor already there is not counted twice).
+
+        Raises:
+            DoesNotFitError: they do not fit.
+        """
+        states = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        try:
+            device.track(self.model, states)
+        except torch.OutOfMemoryError as exc:
+            raise DoesNotFitError(
+                f"the model does not fit on {self.where}: its parameters and buffers alone exceed the "
+                "capacity; use a smaller model, --precision bf16-true or a GPU with more memory"
+            ) from exc
 
     # -- per optimizer step ---------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -384,77 +261,36 @@ class Accumulator:
         Raises:
             ConfigError: no micro-batch was accumulated, the window is incomplete after a failed
                 backward, or a mean loss's items do not add up to ``global_batch_size``.
+            DoesNotFitError: a stage of the step ran out of memory (see NOTE [ Out of memory while
+                finishing the window ]); the message names it.
         """
         if self._dirty:
             raise ConfigError("a backward failed part-way; call reset() and run the window again before step()")
         if not self._values:
             raise ConfigError("step() needs at least one micro-batch passed through accumulate() first")
-        params = self._params()
+        sim = self.simulated
+        with sim.using() if sim is not None else contextlib.nullcontext():
+            return self._finish()
+
+    def _finish(self) -> StepResult:
         local = self._form == MEAN and not distributed()
-        small = self._small
-        if small is None and self.noise_scale is not None and distributed():
-            small = self._values[0].new_zeros(3, dtype=torch.float64)  # every rank joins the one all-reduce
-        if local:  # one process, counts known on the host: no arithmetic on the device at all
-            self._check_item_count(sum(self._sizes))
-            pending = torch.stack(self._values)  # (k,) the micro-batches' mean losses, read after the step
-        else:
-            pending = self._totals(small)  # (2,) float64: [loss_sum, n_items] over all ranks, then `small`'s 3
-            if self._form == MEAN:
-                self._check_item_count(int(pending[1].item()))
-            else:  # multiply by N_prev / N: see NOTE [ Dividing by a count known only at the end ]
-                factor = self._token_divisor / pending[1].clamp_min(1.0)
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads:
-                    torch._foreach_mul_(grads, factor.to(grads[0].device))
-        scaler = self.grad_scaler
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
-        norm = None
-        if self.max_grad_norm is not None:
-            norm = _whole(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        tail = [small] if local and small is not None else []  # read with `pending`, in one transfer
-        if norm is not None:
-            tail.append(norm.detach().double()[None])
-        if small is not None:  # the window's mean gradient, unscaled and not yet clipped: |G_big|²
-            if norm is not None:
-                big_sq = norm.detach().double().square()
-            else:  # sharded gradients: each rank holds the squares of its slices only
-                big_sq = all_reduce_sum(grad_sq_norm(params)) if self.sharded else grad_sq_norm(params)
-            tail.append(big_sq[None])
-        skipped, scale_before = False, 1.0
-        if scaler is not None:
-            scale_before = scaler.get_scale()
-            scaler.step(self.optimizer)
-            scaler.update()
-            skipped = scaler.get_scale() < scale_before  # the scale only drops when inf/NaN skipped the step
-        else:
-            self.optimizer.step()
-        if self.scheduler is not None and not skipped:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if tail:  # float64 holds the losses exactly: they read back as the same Python floats
-            pending = torch.cat([pending.double(), *(t.to(pending.device) for t in tail)])
-        read = pending.tolist()
         sizes = tuple(self._sizes)
-        head = len(sizes) if local else 2
-        extra = read[head:]  # [small's 3 when measuring] [norm when clipping] [|G_big|² when measuring]
-        if local:
-            loss_sum, n_items = math.fsum(v * n for v, n in zip(read, sizes)), float(sum(sizes))
-        else:
-            loss_sum, n_items = read[:2]
-        if small is not None and not skipped:  # a step fp16 skipped for inf/NaN measures nothing
-            self._measure(extra[:3], extra[-1], n_items, scale_before)
-        result = StepResult(
-            loss=loss_sum / n_items if n_items > 0 else 0.0,
-            n_items=int(round(n_items)),
-            micro_batch_size=max(sizes),
-            accumulation_steps=len(sizes),
-            micro_batch_sizes=sizes,
-            grad_norm=extra[3 if small is not None else 0] if norm is not None else None,
-            skipped=skipped,
-            step=self._step,
-            noise_scale=self.noise_scale.b_simple if self.noise_scale is not None else None,
-        )
+        reads: dict[str, torch.Tensor | list[torch.Tensor]] = {}  # read back together, after the step
+        with refusing(self, "summing the window's losses and counts", updated=False):
+            if local:  # one process, counts known on the host: no arithmetic on the device at all
+                self._check_item_count(sum(sizes))
+                reads["losses"] = stacked(self._values)  # (k,) the micro-batches' mean losses
+            else:
+                totals = self._prepared if self._prepared is not None else self._prepare_totals()
+                # [loss_sum, n_items] over all ranks, then the noise scale's 3 small-batch terms
+                reads["totals"] = totals = all_reduce_sum(totals)
+                if self._form == MEAN:
+                    self._check_item_count(int(totals[1].item()))
+        measuring = self.noise_scale is not None and (self._small is not None or not local)
+        return finish_window(self, reads, sizes, measuring=measuring)
+
+    def _end_window(self, n_items: float) -> None:
+        """Forget the finished window; a token loss's count becomes the next window's ``N_prev``."""
         if self._form == TOKENS and n_items > 0:
             self._token_divisor = n_items
         self._step += 1
@@ -462,13 +298,18 @@ class Accumulator:
         self._values.clear()
         self._counts.clear()
         self._sizes.clear()
+        self._prepared = None
         self._small = None
-        return result
 
     @property
     def sharded(self) -> bool:
         """True when the model is sharded with FSDP2 (``fully_shard``): gradients are slices (DTensors)."""
         return is_sharded(self.model)
+
+    @property
+    def synchronising(self) -> bool:
+        """True when the window's last backward all-reduces the gradients of several ranks (DDP)."""
+        return self.world_size > 1 and not self.sharded
 
     # -- helpers --------------------------------------------------------------------------------------
     def match_sharding(self) -> None:
@@ -498,55 +339,41 @@ class Accumulator:
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _totals(self, small: torch.Tensor | None) -> torch.Tensor:
-        """``[loss_sum, n_items]`` of the window in float64, then ``small``'s terms, summed over ranks."""
-        values = torch.stack(self._values).to(torch.float64)  # (k,)
-        if self._form == MEAN:
-            counts = torch.tensor(self._counts, dtype=torch.float64, device=values.device)  # (k,)
-            loss_sum = values @ counts  # sum of mean_m * n_m
-        else:
-            counts = torch.stack(
-                [torch.as_tensor(c, dtype=torch.float64, device=values.device) for c in self._counts]
-            )  # (k,)
-            loss_sum = values.sum()
-        totals = torch.stack([loss_sum, counts.sum()])  # (2,)
-        return all_reduce_sum(totals if small is None else torch.cat([totals, small.to(totals.device)]))
+    def _totals_before_sync(self, value: torch.Tensor, count: int | torch.Tensor) -> None:
+        """The window's totals, prepared with its last micro-batch when they will be all-reduced."""
+        if distributed():
+            self._prepare_totals(value, count)
 
-    # NOTE [ Gradient noise scale from the window ]
-    # B_simple (batchfit.advice.noise_scale) needs |G|² at a small and a large batch; a window holds both.
-    # After its first backward (if not the last), .grad is that micro-batch's rank-local gradient (no_sync)
-    # times backward_weighted's weight (n W / G per mean, W / N_prev per token sum) and the GradScaler's S:
-    # undone right there into the micro-batch's mean gradient's |g|², on the device (one norm per parameter,
-    # no copy, no host read; S is divided out on the host). Under DDP every rank's first micro-batch is a
-    # small batch: their [|g|², 1/n, 1] ride the step's one all-reduce, and as E|g_n|² = |G|² + tr(Σ)/n,
-    # the ranks' mean |g|² is that of one batch of the harmonic mean of their n. Under FSDP (no no_sync:
-    # every micro-batch is reduce-scattered) the first micro-batches of all ranks make *one* small batch
-    # of N = sum n items: .grad slices hold (N / divisor) times its mean gradient, whose |.|² is the sum
-    # over ranks of the slices' squares (divisor: G, or N_prev, not divided by W). The large batch is the
-    # window's mean gradient after the division and unscale_, before clipping (clipping's norm, else one
-    # norm per parameter). Both join the step's one host read. Windows of one micro-batch on every rank,
-    # and steps fp16 skipped, measure nothing. Token losses count tokens as independent items (they are not).
+    def _prepare_totals(self, value: torch.Tensor | None = None, count: int | torch.Tensor = 0) -> torch.Tensor:
+        """This rank's ``[loss_sum, n_items]`` in float64, then the noise scale's 3 terms (to be all-reduced).
+
+        ``value`` and ``count`` are the last micro-batch's, not yet in the window. Under
+        torch.distributed they are prepared before the last backward (NOTE [ One rank out of memory
+        under DDP ] in ``micro_step``), so that nothing allocates between it and the all-reduce.
+        """
+        values = self._values if value is None else [*self._values, value]
+        counts = self._counts if value is None else [*self._counts, count]
+        form = self._form
+        stacked = torch.stack(values).to(torch.float64)  # (k,)
+        if form == MEAN:
+            n = torch.tensor(counts, dtype=torch.float64, device=stacked.device)  # (k,)
+            loss_sum = stacked @ n  # sum of mean_m * n_m
+        else:
+            n = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=stacked.device) for c in counts])  # (k,)
+            loss_sum = stacked.sum()
+        totals = torch.stack([loss_sum, n.sum()])  # (2,)
+        small = self._small
+        if small is None and self.noise_scale is not None:
+            small = stacked.new_zeros(3)  # every rank joins the one all-reduce with the same length
+        self._prepared = totals if small is None else torch.cat([totals, small.to(totals.device)])
+        return self._prepared
+
     def _read_small_gradient(self, count: int | torch.Tensor) -> None:
-        """The first micro-batch's ``[|mean gradient|² S², 1/n, 1]`` (n its count), on the device (NOTE above)."""
-        sq = grad_sq_norm(self._params())  # 0-d float64
-        # A fill, not a host-to-device copy of an int count: that copy would wait for the device.
-        n = count.to(sq.device, torch.float64) if isinstance(count, torch.Tensor) else sq.new_full((), float(count))
+        """Keep the first micro-batch's terms (see NOTE [ Gradient noise scale from the window ])."""
         divisor = float(self.global_batch_size if self._form == MEAN else self._token_divisor)
-        copies = 1.0
-        if self.sharded:  # one small batch over all ranks (NOTE above); every rank then holds the same terms,
-            sq, n = all_reduce_sum(torch.stack([sq, n])).unbind()  # which the step's all-reduce adds W times
-            copies = float(self.world_size)
-        else:
-            divisor /= self.world_size
-        measured = (n > 0).double()  # a token micro-batch may hold no loss-carrying token
-        n = n.clamp_min(1.0)
-        self._small = torch.stack([sq * measured * (divisor / n) ** 2, measured / n, measured]) / copies  # (3,)
-
-    def _measure(self, small: list[float], big_sq: float, big_n: float, scale: float) -> None:
-        """Feed the ranks' mean small-batch norm and the window's norm to the noise scale (NOTE above)."""
-        sq_sum, inv_sum, measured = small
-        if self.noise_scale is not None and measured > 0 and inv_sum > 0 and 1 <= measured / inv_sum < big_n:
-            self.noise_scale.update(sq_sum / measured / scale**2, measured / inv_sum, big_sq, big_n)
+        self._small = small_batch_terms(
+            self._params(), count, divisor=divisor, world_size=self.world_size, sharded=self.sharded
+        )
 
     def _check_item_count(self, n: int) -> None:
         if n != self.global_batch_size:
@@ -555,3 +382,4 @@ class Accumulator:
                 f"the micro-batches of this step held {n} items in total but global_batch_size is "
                 f"{self.global_batch_size}; pass every item of the global batch exactly once per step"
             )
+

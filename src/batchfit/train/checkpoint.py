@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DoesNotFitError
 from .distributed import rank
 from .fsdp import full_states, is_sharded, load_full_states
+from .outofmemory import is_out_of_memory, oom_summary
 
 FORMAT = "batchfit-checkpoint-1"
 
@@ -72,8 +73,35 @@ def save_checkpoint(
 
     Under ``torch.distributed`` call it on every rank: a sharded (FSDP) model's states are gathered
     whole first (a collective), and only rank 0 writes.
+
+    Raises:
+        DoesNotFitError: gathering or writing the states ran out of device memory; the file at ``path``
+            is as it was.
     """
     path = Path(path)
+    try:
+        return _save(path, model, optimizer, scheduler, grad_scaler, sampler, plan, step, extra)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        summary = oom_summary(exc)
+    raise DoesNotFitError(
+        f"writing the checkpoint {path} ran out of memory ({summary}); the file is as it was. The states are "
+        "gathered whole to be written: use a GPU with more memory or a smaller model"
+    )
+
+
+def _save(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    grad_scaler: Any,
+    sampler: Any,
+    plan: dict[str, Any] | None,
+    step: int,
+    extra: dict[str, Any] | None,
+) -> Path:
     model_state, optimizer_state = model_and_optimizer_states(model, optimizer)
     if rank() != 0:
         return path
@@ -116,7 +144,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}; train without --resume or give the right path")
+        raise CheckpointError(
+            f"no checkpoint file at {path!s}; give the path of a checkpoint file (`batchfit train --checkpoint "
+            "PATH` writes one there)"
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, corrupt bytes, a pickle weights_only refuses

@@ -151,6 +151,49 @@ def decided_on_main(decide: Callable[[], Any]) -> Any:
     return value
 
 
+_HOST_GROUPS: dict[int, Any] = {}
+_NO_SIZE = 2**62  # "no micro-batch size given": larger than any real one, so MIN ignores it
+
+
+def _host_group() -> Any:
+    """A group whose collectives take CPU tensors: the default one under gloo, else a gloo group made once
+    (every rank makes it at the same point: its first agreement)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
+
+
+def agree(failure: str | None, micro_batch_size: int | None) -> tuple[str | None, int | None]:
+    """Every rank's verdict on its window (a collective: every rank calls it once per DDP window).
+
+    A rank that could not finish its window passes its one-line error; the others pass None. All get
+    back the same answer: the error of the lowest failing rank as ``"rank R: ..."`` (None when none
+    failed), and the smallest micro-batch size any rank plans for the next window (None when none gave
+    one). The verdict is host data, exchanged over gloo in host memory: a dispatch mode (a simulated
+    GPU) does not count it, and with NCCL it adds no device synchronisation. Without a process group of
+    several ranks it returns its arguments.
+    """
+    if not distributed() or dist.get_world_size() == 1:
+        return failure, micro_batch_size
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    group = _host_group()
+    with _disable_current_modes():
+        flags = torch.tensor([1 if failure is not None else 0, -(micro_batch_size or _NO_SIZE)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        failed, smallest = flags.tolist()
+        agreed = None
+        if failed:
+            errors: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(errors, failure, group=group)
+            first = next(r for r, e in enumerate(errors) if e is not None)
+            agreed = f"rank {first}: {errors[first]}"
+    return agreed, None if -smallest == _NO_SIZE else -smallest
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over the ranks of the default group in place (nothing to do without one)."""
     if distributed():

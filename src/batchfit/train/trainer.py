@@ -1,9 +1,9 @@
 """Trainer: one call per global batch; splits it, accumulates exactly, recovers from OOM, steps once.
 
 Built on ``Accumulator`` (the maths) and ``run_window`` (the OOM recovery); this module adds what a
-loop around them needs: where tensors go (CPU, CUDA or a simulated GPU), the micro-batch size (given,
-or planned from the workload's memory), this rank's share of the global batch, and the BatchNorm
-advice.
+loop around them needs: where tensors go (``placement``: CPU, CUDA or a simulated GPU), the micro-batch
+size (given, or planned from the workload's memory: ``auto_plan``), this rank's share of the global
+batch, and the BatchNorm advice.
 
 Example:
     >>> import torch
@@ -20,12 +20,9 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import inspect
 import logging
-from collections.abc import Callable, Iterable
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,80 +30,24 @@ from torch import nn
 
 from ..advice.batchnorm import warn_batchnorm
 from ..advice.noise_scale import GradientNoiseScale
-from ..batching import Batch, batch_size_of, make_splits, map_tensors, rank_shares
-from ..errors import ConfigError, DoesNotFitError, UnknownNameError
+from ..batching import Batch, batch_size_of, make_splits, rank_shares
+from ..errors import ConfigError, DoesNotFitError
 from ..precision import Precision, parse_precision
 from ..simulated import SimulatedDevice
-from ..units import format_bytes
 from ..workload import Workload
 from .accumulate import Accumulator, StepResult, micro_batch_sizes
-from .distributed import decided_on_main, rank, world_size, wrap_model
+from .auto_plan import make_plan, own_workload, planned_micro_batch_size, planned_splits
+from .distributed import rank, world_size, wrap_model
 from .fsdp import is_sharded
-from .oom import CacheReleaser, CudaCache, NoCache, is_out_of_memory, release_memory, run_window
+from .oom import release_memory, run_window
+from .placement import Placement, cuda_profile, placement
 
 LossFn = Callable[[nn.Module, Batch], Any]
 
 log = logging.getLogger("batchfit")
 
-
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    """Where a micro-batch goes and how the device's memory is released: the trainer's device seam."""
-
-    device: torch.device
-    """Where tensors live (the CPU for a simulated GPU)."""
-    name: str
-    """For messages: ``cpu``, ``cuda:0``, ``a simulated A100-40GB GPU``."""
-    cache: CacheReleaser
-    simulated: SimulatedDevice | None = None
-
-    def move(self, batch: Batch) -> Batch:
-        """The micro-batch on the device, copied only now, when it is about to run."""
-        if self.simulated is not None:  # a host-to-device copy the simulated allocator must see
-            return map_tensors(batch, torch.clone)
-        device = self.device
-        return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def _placement(device: str | torch.device | SimulatedDevice) -> _Placement:
-    if isinstance(device, SimulatedDevice):
-        generic = device.device.name.startswith("simulated")  # a bare capacity, not a catalog GPU
-        name = f"a simulated {format_bytes(device.capacity_bytes) if generic else device.device.name} GPU"
-        return _Placement(torch.device("cpu"), name, device, device)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N' or a SimulatedDevice, got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' was asked for but no GPU is visible; use 'cpu' or a SimulatedDevice")
-        return _Placement(dev, str(dev), CudaCache())
-    return _Placement(dev, "cpu", NoCache())
-
-
-def _cuda_profile(index: int) -> Any:
-    """The catalog entry of the visible GPU, or a generic GPU of its total memory if not in the catalog."""
-    from ..devices import generic_device, get_device
-
-    try:
-        return get_device(torch.cuda.get_device_name(index))
-    except UnknownNameError:
-        return generic_device(f"{torch.cuda.get_device_properties(index).total_memory}B")
-
-
-def _like(spec: Batch, batch_size: int) -> Batch:
-    """A batch of ``batch_size`` zero items shaped like ``spec``'s (runs under ``FakeTensorMode``)."""
-    return map_tensors(spec, lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype))
-
-
-def _same_optimizer(cls: type, defaults: dict[str, Any], params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """``cls(params, **defaults)``, minus defaults its constructor does not take (AdamW's are Adam's)."""
-    accepted = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        defaults = {k: v for k, v in defaults.items() if k in accepted}
-    return cls(params, **defaults)
+_Placement = Placement  # the names tests and older code reach for
+_cuda_profile = cuda_profile
 
 
 class Trainer:
@@ -127,8 +68,10 @@ class Trainer:
         micro_batch_size: items per forward/backward, or ``"auto"`` to take it from
             ``batchfit.plan.plan`` at the first step (which needs the first batch's shapes); on the
             plain CPU, which has no capacity to plan against, ``"auto"`` is the whole share.
-        device: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or an entered ``SimulatedDevice`` (tensors stay
-            on the CPU; the simulated GPU's allocator decides what fits).
+        device: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or a ``SimulatedDevice``, entered by the caller or
+            not: the Trainer uses it as a GPU (tensors stay on the CPU; the simulated allocator decides
+            what fits). The model's parameters and buffers are placed on it here, each micro-batch is
+            copied there when it runs; the global batch passed to ``step`` stays host memory.
         precision: ``fp32``, ``bf16``, ``fp16`` (with a GradScaler) or ``bf16-true``.
         max_grad_norm: clip the global gradient's norm once per step; None: no clipping.
         scheduler: stepped once per optimizer step.
@@ -150,7 +93,10 @@ class Trainer:
     micro-batches (``batching.make_splits``), and an out-of-memory error is not re-split (ranks
     cannot re-split alone when every micro-batch is a collective); like one in the optimizer step,
     it stops this rank with ``DoesNotFitError`` while the others wait in a collective until torchrun
-    (or the process group's timeout) ends them. With ``"auto"``, rank 0 plans for every rank.
+    (or the process group's timeout) ends them. With ``"auto"``, rank 0 plans for every rank. Under
+    DDP a rank re-splits alone (its micro-batches but the last run under ``no_sync``), every rank then
+    takes the smallest micro-batch size any of them needed, and a rank that cannot go on stops all of
+    them with the same ``DoesNotFitError`` (NOTE [ One rank out of memory under DDP ] in ``micro_step``).
 
     Raises:
         ConfigError: a non-positive or too small global batch, a micro-batch size that is not
@@ -194,7 +140,7 @@ class Trainer:
                 "give every rank at least one item"
             )
         self.rank = rank()
-        self._where = _placement(device)
+        self._where = placement(device)
         on_cpu = self._where.simulated is None and self._where.device.type == "cpu"
         self._move = None if on_cpu else self._where.move  # on the CPU, ``.to`` would return the same tensors
         first = next(model.parameters(), None)
@@ -225,6 +171,7 @@ class Trainer:
             precision=self.precision,
             device_type=self._where.device.type,
             noise_scale=noise_scale,
+            device=self._where.simulated,  # places the model there (DoesNotFitError if it does not fit)
         )
         self.share = rank_shares(global_batch_size, self.world_size)[self.rank]
         """Items of each global batch that this rank's ``step`` receives."""
@@ -235,11 +182,9 @@ class Trainer:
         self._splits: list[int] | None = None
         self._workload = workload
         self._bn_warned = False
-        if self._where.simulated is not None:
-            self._put_on_simulated(self._where.simulated)
         if self.micro_batch_size is not None:
             self._wrap()
-            self._advise_batchnorm()
+            self._advise_batchnorm(stacklevel=4)
 
     @property
     def noise_scale(self) -> GradientNoiseScale | None:
@@ -249,10 +194,15 @@ class Trainer:
     def step(self, batch: Batch) -> StepResult:
         """One optimizer step on this rank's share of one global batch.
 
+        An out-of-memory error anywhere in the step re-splits the micro-batches (see
+        ``batchfit.train.oom``) or ends in one ``DoesNotFitError`` naming where it struck and what to
+        change; none escapes as a raw ``torch.OutOfMemoryError``.
+
         Raises:
             ConfigError: tensors disagree on the leading dimension, the share has the wrong number
                 of items, or the loss returns neither a mean nor ``(loss_sum, n_items)``.
-            DoesNotFitError: a micro-batch of one item, or the optimizer step, runs out of memory.
+            DoesNotFitError: a micro-batch of one item, the optimizer step or another stage after the
+                micro-batches runs out of memory (or, under DDP, another rank could not go on).
         """
         n = batch_size_of(batch)
         if n != self.share:
@@ -261,33 +211,32 @@ class Trainer:
                 f"step() got a batch of {n} items, expected {self.share} ({whose}the global batch of "
                 f"{self.global_batch_size}); pass exactly one global batch per step"
             )
-        sim = self._where.simulated
-        if sim is not None and not sim.active:
-            raise ConfigError("enter the simulated device before training: `with SimulatedDevice(...) as gpu:`")
+        with self._where.using():  # a simulated GPU given but not entered is the Trainer's to enter
+            return self._step(batch, n)
+
+    def _step(self, batch: Batch, n: int) -> StepResult:
         if self.micro_batch_size is None:
             self._plan_micro_batch(batch)
             self._wrap()
             self._advise_batchnorm()
         assert self.micro_batch_size is not None
+        acc = self.accumulator
+        acc.where = self._where.name
+        acc.planned_micro_batch_size = self.micro_batch_size
         sizes = self._splits or micro_batch_sizes(n, self.micro_batch_size)
-        micro, replans = run_window(
-            self.accumulator, batch, sizes, self._run_micro, cache=self._where.cache, where=self._where.name
-        )
-        if replans:
-            self.micro_batch_size, self._splits = micro, None
+        micro, replans = run_window(acc, batch, sizes, self._run_micro, cache=self._where.cache, where=acc.where)
+        planned = micro if replans else self.micro_batch_size
+        agreed = acc.planned_micro_batch_size  # under DDP: the smallest size any rank needs from now on
+        if agreed is not None and agreed < planned:
+            planned = agreed
+        if planned != self.micro_batch_size:
+            self.micro_batch_size, self._splits = planned, None
             self._advise_batchnorm()
         try:
-            result = self.accumulator.step()
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            summary = " ".join(str(exc).split())[:160]
+            result = acc.step()
+        except DoesNotFitError:
             release_memory(self._where.cache)
-            raise DoesNotFitError(
-                f"the optimizer step ran out of memory on {self._where.name} ({summary}): parameters, gradients "
-                "and optimizer states do not fit, whatever the micro-batch; use a lighter optimizer (SGD), "
-                "--precision bf16-true, a smaller model or a GPU with more memory"
-            ) from exc
+            raise
         return dataclasses.replace(result, micro_batch_size=self.micro_batch_size, replanned=tuple(replans))
 
     # -- internals ------------------------------------------------------------------------------------
@@ -315,31 +264,20 @@ class Trainer:
             splits = make_splits(self.global_batch_size, self.world_size, self.micro_batch_size, same_count=True)
             self._splits = splits[self.rank]
 
-    def _advise_batchnorm(self) -> None:
+    def _advise_batchnorm(self, stacklevel: int = 5) -> None:
         if self._bn_warned or self.micro_batch_size is None:
             return
-        # stacklevel 4: warnings.warn <- warn_batchnorm <- this <- __init__/step <- the caller
+        # stacklevel 5: warnings.warn <- warn_batchnorm <- this <- _step <- step <- the caller (4 from __init__)
         advice = warn_batchnorm(
-            self.model, self.micro_batch_size, self.global_batch_size, self.world_size, stacklevel=4
+            self.model, self.micro_batch_size, self.global_batch_size, self.world_size, stacklevel=stacklevel
         )
         self._bn_warned = advice is not None
-
-    def _put_on_simulated(self, sim: SimulatedDevice) -> None:
-        """Account the model and any optimizer state on the simulated GPU (idempotent)."""
-        states = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        try:
-            sim.track(self.model, states)
-        except torch.OutOfMemoryError as exc:
-            raise DoesNotFitError(
-                f"the model does not fit on {self._where.name}: its parameters and buffers alone exceed the "
-                "capacity; use a smaller model, --precision bf16-true or a GPU with more memory"
-            ) from exc
 
     def _plan_device(self) -> Any:
         if self._where.simulated is not None:
             return self._where.simulated.device
         if self._where.device.type == "cuda":
-            return _cuda_profile(self._where.device.index or 0)
+            return cuda_profile(self._where.device.index or 0)
         return "cpu"
 
     def _plan_micro_batch(self, batch: Batch) -> None:
@@ -351,59 +289,25 @@ class Trainer:
         if self._where.simulated is None and self._where.device.type == "cpu":
             self.micro_batch_size = rank_shares(self.global_batch_size, self.world_size)[0]
             return
-        try:
-            from ..plan import plan as make_plan  # imports the estimator: only when asked for
-        except ImportError as exc:
-            raise ConfigError(
-                f"micro_batch_size='auto' needs batchfit.plan, which could not be imported ({exc}); "
-                "pass micro_batch_size=N"
-            ) from exc
-        workload = self._workload or self._own_workload(batch)
-        run: Callable[[], Any] = partial(
-            make_plan,
+        workload = self._workload or own_workload(self.model, self.optimizer, self.loss, batch)
+        plan = make_plan(
             workload,
             self.global_batch_size,
             device=self._plan_device(),
             gpus=self.world_size,
             precision=self.precision.value,
+            in_a_thread=self._where.simulated is not None,
         )
-        if self._where.simulated is not None:
-            # Dispatch modes are per thread: planning traces fake tensors, which the simulated device's
-            # mode (active in this thread) would otherwise count as allocations of its own.
-            planner = run
-
-            def in_a_thread() -> Any:
-                with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-                    return pool.submit(planner).result()
-
-            run = in_a_thread
-        plan = decided_on_main(run)  # rank 0 plans for every rank (they must agree on the split)
         if getattr(plan, "checkpointing", False):
             from ..checkpointing import apply_checkpointing, checkpoint_classes
 
             classes = checkpoint_classes("blocks", workload.checkpoint_blocks)
             wrapped = apply_checkpointing(self.model, classes)
             log.info("the plan needs activation checkpointing: %d blocks of %s wrapped", wrapped, classes)
-        micro = getattr(plan, "micro_batch_size", None)
-        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
-            raise ConfigError(f"the plan gave micro_batch_size={micro!r}; pass micro_batch_size=N instead")
-        self.plan, self.micro_batch_size = plan, min(micro, self.global_batch_size)
-        splits = getattr(plan, "splits", None)
-        mine = list(splits[self.rank]) if splits and len(splits) > self.rank else None
+        self.plan, self.micro_batch_size = plan, planned_micro_batch_size(plan, self.global_batch_size)
         self.sharded = self.sharded or (bool(getattr(plan, "sharded", False)) and self.world_size > 1)
-        smallest = 0 if self.sharded else 1  # FSDP plans may end a share with padding (batching.make_splits)
-        valid = mine and sum(mine) == self.share and max(mine) <= self.micro_batch_size and min(mine) >= smallest
-        if valid and (not self.sharded or len({len(s) for s in splits}) == 1):  # FSDP: ranks agree on the count
-            self._splits = mine  # execute the plan exactly as it was made
-
-    def _own_workload(self, batch: Batch) -> Workload:
-        spec = map_tensors(batch, lambda t: torch.empty((0, *t.shape[1:]), dtype=t.dtype, device="meta"))
-        model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
-        opt = self.optimizer
-        return Workload(
-            model=model,
-            batch=partial(_like, spec),
-            loss=self.loss,
-            optimizer=partial(_same_optimizer, type(opt), dict(opt.defaults)),
-            name="trainer",
+        mine = planned_splits(
+            plan, rank=self.rank, share=self.share, micro_batch_size=self.micro_batch_size, sharded=self.sharded
         )
+        if mine is not None:
+            self._splits = mine  # execute the plan exactly as it was made
