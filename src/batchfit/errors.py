@@ -4,7 +4,8 @@ Map of the tree (kept shallow on purpose, so callers catch one thing)::
 
     BatchfitError                      base of everything batchfit raises on purpose
     ├── ConfigError (+ ValueError)     bad input: a size, a name, a capacity, a batch, a loss
-    │   └── UnknownNameError (+ KeyError-like message)   unknown device or preset
+    │   ├── UnknownNameError (+ KeyError-like message)   unknown device or preset
+    │   └── MissingExtraError (+ ImportError)           an optional package an integration needs
     ├── DoesNotFitError                even one item does not fit; names the remedy
     ├── TraceError                     the training step failed while traced (names the module and op)
     └── CheckpointError                unreadable, partial or mismatched checkpoint
@@ -45,6 +46,14 @@ class UnknownNameError(ConfigError):
         super().__init__(msg)
         self.name = name
         self.close_matches = close
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """An optional package is not installed; the message names the ``batchfit[extra]`` that brings it.
+
+    Also an ``ImportError``, so ``try: import ... except ImportError`` around an optional integration
+    keeps working.
+    """
 
 
 class DoesNotFitError(BatchfitError):
