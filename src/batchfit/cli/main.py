@@ -21,6 +21,7 @@ from .options import (
     CheckpointingOpt,
     ContextOpt,
     DeviceOpt,
+    HfArgsOpt,
     JsonOpt,
     LoraOpt,
     LoraTargetsOpt,
@@ -191,12 +192,18 @@ def plan_command(
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
     set_: SetOpt = None,
+    hf_args: HfArgsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
     from ..plan import plan
 
-    result = plan(
+    planner = plan
+    if hf_args is not None:
+        from ..integrations.transformers import training_arguments_planner
+
+        planner = training_arguments_planner(hf_args)
+    result = planner(
         opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets),
         global_batch_size,
         device=opts.device(device, context_mib),

@@ -20,6 +20,7 @@ import torch
 from ..batching import Batch, batch_size_of, map_tensors
 from ..devices import Device
 from ..errors import ConfigError, DoesNotFitError, MissingExtraError
+from ..units import format_bytes
 
 
 def require(module: str, extra: str, integration: str) -> ModuleType:
@@ -98,24 +99,28 @@ def equal_plan(
     """The first of ``rungs`` (``(precision, checkpointing)``) on which the global batch fits, as a ``Plan``
     whose every rank runs equal micro-batches.
 
-    Each rung is planned by ``batchfit.plan`` with its precision and checkpointing fixed; a plan that would
-    need FSDP sharding counts as not fitting (the framework's knobs set here do not shard); ``plan_kwargs``
-    (learning-rate scaling) go to ``plan``. The micro-batch
-    is then the largest divisor of the per-rank share not above the plan's largest fitting micro-batch,
-    and the estimate is redone at it when it differs from the plan's.
+    Each rung is first checked with one traced step of one item (``one_item_fits``), then planned by
+    ``batchfit.plan`` with its precision and checkpointing fixed; a plan that would need FSDP sharding
+    counts as not fitting (the framework's knobs set here do not shard). ``plan_kwargs`` (learning-rate
+    scaling) go to ``plan``. The micro-batch is the largest divisor of the per-rank share not above the
+    plan's largest fitting micro-batch, and the estimate is redone at it when it differs from the plan's.
 
     Raises:
         ConfigError: see ``per_rank_share``; a bad device or precision.
-        DoesNotFitError: no rung fits one item per process; the message is the last rung's, which names
-            where it would fit.
+        DoesNotFitError: no rung fits one item per process; the message says what one item needs.
     """
     from ..plan import plan
 
     share = per_rank_share(global_batch_size, world_size, framework)
     dev = plan_device(device)
-    error: DoesNotFitError | None = None
+    why = ""
     for precision, checkpointing in rungs:
         wl = workload if checkpointing else dataclasses.replace(workload, checkpoint_blocks=())
+        est = one_item_estimate(wl, dev, precision, checkpointing)
+        budget = int((dev.total_bytes or 0) * (1 - margin))
+        if est.device_total_bytes > budget:
+            why = f"one item needs {format_bytes(est.device_total_bytes)} of {format_bytes(budget)}"
+            continue
         try:
             found = plan(
                 wl,
@@ -127,19 +132,27 @@ def equal_plan(
                 margin=margin,
                 **plan_kwargs,
             )
-        except DoesNotFitError as e:
-            error = e
+        except DoesNotFitError as e:  # one item fits, but not beside the gradients accumulation keeps
+            why = str(e)
             continue
         if found.sharded:
-            error = DoesNotFitError(
-                f"{workload.name} fits on {world_size} x {dev.name} only with FSDP sharding, which {framework} does "
-                "not get from these settings; shard it yourself (FSDP/DeepSpeed), or use larger GPUs"
-            )
+            why = "it would need FSDP sharding across the GPUs"
             continue
         return _equalised(wl, found, share, dev)
     tried = ", ".join(f"{p}{' + activation checkpointing' if c else ''}" for p, c in rungs)
-    assert error is not None, "no rungs to plan"
-    raise DoesNotFitError(f"{error} [{framework} options tried: {tried}]")
+    raise DoesNotFitError(
+        f"{workload.name} does not fit on {world_size} x {dev.name} with one item per GPU in any configuration "
+        f"{framework} is given here (tried: {tried}; at the last, {why}); try LoRA adapters, sharding over more GPUs "
+        "(FSDP/DeepSpeed) or a larger GPU (`batchfit plan` names one)"
+    )
+
+
+def one_item_estimate(workload: Any, dev: Device, precision: str, checkpointing: bool) -> Any:
+    """The estimate of a step of one item: the cheapest test of whether a configuration can fit at all
+    (one trace, where a plan that cannot fit searches the catalog for where it would)."""
+    from ..memory.estimate import estimate
+
+    return estimate(workload, 1, device=dev, precision=precision, checkpointing="blocks" if checkpointing else None)
 
 
 def _equalised(workload: Any, found: Any, share: int, dev: Device) -> Any:

@@ -22,10 +22,11 @@ Limitations:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,7 @@ def trainer_optimizer(model: nn.Module, args: TrainingArguments) -> TrainerOptim
     try:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except Exception as e:  # noqa: BLE001 - ValueError (unknown), ImportError (bitsandbytes, ...): one line
-        raise ConfigError(f"the Trainer cannot build optimizer {args.optim!r}: {one_line(e)}") from e
+        raise ConfigError(f"the Trainer cannot build optimizer {_optim_name(args)!r}: {one_line(e)}") from e
     kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "model", "optimizer_dict")}
     try:  # an instance method that reads no instance state; called unbound so no Trainer is built
         names = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
@@ -141,8 +142,11 @@ def _signature_columns(model: nn.Module, args: TrainingArguments) -> set[str] | 
     """Keys the ``Trainer`` keeps (``remove_unused_columns``): the forward's parameters and the labels."""
     if not args.remove_unused_columns:
         return None
-    names = set(inspect.signature(_base(model).forward).parameters)
-    return names | {"label", "label_ids", "labels", *(args.label_names or [])}
+    from transformers.utils import find_labels
+
+    base = _base(model)
+    labels = find_labels(type(base)) if args.label_names is None else args.label_names  # the Trainer's default
+    return set(inspect.signature(base.forward).parameters) | {"label", "label_ids", *labels}
 
 
 def sample_batch(model: nn.Module, args: TrainingArguments, sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,6 +238,29 @@ def trainer_workload(
         tokens_per_item=tokens,
         checkpoint_blocks=checkpoint_layers(model),
     )
+
+
+@contextlib.contextmanager
+def trainer_config(model: nn.Module, args: TrainingArguments) -> Iterator[None]:
+    """The model's config as the ``Trainer`` sets it when built, for as long as the step is traced.
+
+    transformers >= 5's ``Trainer.__init__`` sets ``model.config.use_cache = args.use_cache`` (False by
+    default): a model left with ``use_cache=True`` would otherwise keep every layer's keys and values in a
+    cache through the training step, which the ``Trainer`` never does. Restored afterwards.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(args, "use_cache"):
+        yield
+        return
+    had, old = hasattr(config, "use_cache"), getattr(config, "use_cache", None)
+    config.use_cache = args.use_cache
+    try:
+        yield
+    finally:
+        if had:
+            config.use_cache = old
+        else:
+            del config.use_cache
 
 
 def _optim_name(args: TrainingArguments) -> str:
@@ -333,8 +360,8 @@ def plan_training_arguments(
         args: the ``TrainingArguments`` to start from: their optimizer, and ``bf16``/``fp16`` and
             activation checkpointing if already on, are kept; otherwise the plan may turn them on.
         global_batch_size: items per optimizer step over all processes.
-        device: the GPU of each process: a catalog name (``"A100-80GB"``), a capacity (``"24GiB"``) or
-            ``"cuda"`` (the visible GPU, read from torch: nothing runs on it).
+        device: the GPU of each process: a catalog name (``"A100-80GB"``), a capacity (``"24GiB"``), a
+            ``SimulatedDevice`` or ``"cuda"`` (the visible GPU, read from torch: nothing runs on it).
         seq_len: tokens (or samples) per item of the synthetic batch made from the model's config.
         sample: one example of the training data, or a collated batch: its shapes instead of
             synthetic ones (give the longest example when lengths vary).
@@ -355,16 +382,23 @@ def plan_training_arguments(
     checkpointing = getattr(args, "activation_checkpointing", None)
     if checkpointing is None:
         checkpointing = getattr(args, "gradient_checkpointing", False)
-    workload = trainer_workload(model, args, seq_len=seq_len, sample=sample)
-    plan = plan_trainer(
-        workload,
-        global_batch_size,
-        device=device,
-        gpus=world,
-        precision=fixed_precision,
-        checkpointing=True if checkpointing else None,
-        margin=margin,
-    )
+
+    def decide() -> Any:
+        workload = trainer_workload(model, args, seq_len=seq_len, sample=sample)
+        with trainer_config(model, args):
+            return plan_trainer(
+                workload,
+                global_batch_size,
+                device=device,
+                gpus=world,
+                precision=fixed_precision,
+                checkpointing=True if checkpointing else None,
+                margin=margin,
+            )
+
+    from ..train.distributed import decided_on_main
+
+    plan = decided_on_main(decide)  # under torchrun: rank 0 plans, every rank gets its plan (or its error)
     return dataclasses.replace(args, **training_argument_fields(plan)), plan
 
 
@@ -441,8 +475,8 @@ class BatchfitCallback(TrainerCallback):
             self.monitor.start_step()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if not self._gpu():
-            return
+        if not self._gpu() or (self.history and self.history[-1].step == state.global_step):
+            return  # no GPU, or the end-of-training summary logged at the step already read
         reading = dataclasses.replace(self.monitor.end_step(), step=state.global_step)
         self.history.append(reading)
         if logs is not None:
