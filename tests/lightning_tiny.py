@@ -7,6 +7,7 @@ needs accumulation.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -15,11 +16,13 @@ from torch import nn
 CAPACITY = "28MiB"
 SMALLER = "24MiB"
 """A GPU on which fewer items fit (2): what a rank that decided for itself would plan for."""
-ITEMS = 96
+ITEMS = 128
 LR = 0.1
 
 
+@functools.cache
 def data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The dataset, made once (so that it stays host memory when a simulated GPU is entered later)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ITEMS, 32, 128, generator=g, dtype=torch.float64)  # (n, t, features)
     y = torch.randn(ITEMS, 32, 4, generator=g, dtype=torch.float64)  # (n, t, targets)

@@ -99,7 +99,7 @@ def equal_plan(
     """The first of ``rungs`` (``(precision, checkpointing)``) on which the global batch fits, as a ``Plan``
     whose every rank runs equal micro-batches.
 
-    Each rung is first checked with one traced step of one item (``one_item_fits``), then planned by
+    Each rung is first checked with one traced step of one item (``one_item_estimate``), then planned by
     ``batchfit.plan`` with its precision and checkpointing fixed; a plan that would need FSDP sharding
     counts as not fitting (the framework's knobs set here do not shard). ``plan_kwargs`` (learning-rate
     scaling) go to ``plan``. The micro-batch is the largest divisor of the per-rank share not above the
@@ -109,9 +109,29 @@ def equal_plan(
         ConfigError: see ``per_rank_share``; a bad device or precision.
         DoesNotFitError: no rung fits one item per process; the message says what one item needs.
     """
-    from ..plan import plan
+    from ..memory.trace import real_execution
 
     share = per_rank_share(global_batch_size, world_size, framework)
+    # Planning takes no device memory: outside any dispatch mode the caller has active (a SimulatedDevice
+    # entered around the framework's training would otherwise count the trace's fake tensors as its own).
+    with real_execution():
+        return _first_fitting(workload, global_batch_size, share, world_size, rungs, framework, device, margin,
+                              plan_kwargs)  # fmt: skip
+
+
+def _first_fitting(
+    workload: Any,
+    global_batch_size: int,
+    share: int,
+    world_size: int,
+    rungs: Sequence[tuple[str, bool]],
+    framework: str,
+    device: Any,
+    margin: float,
+    plan_kwargs: dict[str, Any],
+) -> Any:
+    from ..plan import plan
+
     dev = plan_device(device)
     why = ""
     for precision, checkpointing in rungs:
