@@ -145,3 +145,11 @@ def test_other_errors_and_bad_sizes_are_not_retried() -> None:
         find_executable_batch_size(2, world_size=4)(train)()
     with pytest.raises(ConfigError, match="whole number >= 1"):
         find_executable_batch_size(0)
+
+
+def test_the_precision_reaches_the_plan() -> None:
+    run = find_executable_batch_size(
+        GLOBAL_BATCH, device=SimulatedDevice(CAPACITY), workload=workload(), precision="bf16"
+    )(lambda micro_batch_size, accumulation_steps: (micro_batch_size, accumulation_steps))
+    assert run() == (run.plan.micro_batch_size, run.plan.accumulation_steps)
+    assert run.plan.precision == "bf16" and run.plan.micro_batch_size * run.plan.accumulation_steps == GLOBAL_BATCH

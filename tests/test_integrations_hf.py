@@ -140,6 +140,24 @@ def test_what_the_trainer_runs_is_what_is_traced(model: Any, out_dir: str) -> No
     assert loss.dim() == 0
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adafactor", "sgd"])
+def test_the_optimizer_of_args_optim_is_traced(model: Any, out_dir: str, optim: str) -> None:
+    import batchfit
+    from batchfit.integrations._hf_workload import trainer_config
+
+    args = arguments(out_dir, optim=optim)
+    wl = trainer_workload(model, args, sample=example(0))
+    with trainer_config(model, args):
+        states = batchfit.estimate(wl, 2, device="A100-80GB").breakdown["optimizer_states"]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if optim.startswith("adamw"):
+        assert states == 2 * weights  # exp_avg and exp_avg_sq of every weight
+    elif optim == "sgd":
+        assert states == 0  # the Trainer's SGD has no momentum
+    else:
+        assert 0 < states < weights  # factored second moments
+
+
 def test_fixed_precision_and_checkpointing_are_kept(model: Any, out_dir: str) -> None:
     args = arguments(out_dir, bf16=True, activation_checkpointing=True)
     planned, plan = plan_training_arguments(model, args, 4, device=_gpu(), sample=example(0))

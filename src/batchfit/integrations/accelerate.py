@@ -66,7 +66,7 @@ def _accelerate_precision() -> str:
     """batchfit's precision for the ``Accelerator`` already created in this process (fp32 when none is)."""
     from accelerate.state import AcceleratorState
 
-    if not AcceleratorState._shared_state:  # no Accelerator yet: nothing says otherwise
+    if not getattr(AcceleratorState, "_shared_state", None):  # no Accelerator yet: nothing says otherwise
         return "fp32"
     mixed = str(getattr(AcceleratorState(), "mixed_precision", "no"))
     return {"bf16": "bf16", "fp16": "fp16"}.get(mixed, "fp32")
