@@ -143,6 +143,13 @@ def mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(ITEMS, TOKENS, 4, generator=g)  # (n, t, targets)
 
 
+@functools.cache
+def mlp_items() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The dataset as a list of items (views of host memory made once, before any simulated GPU is
+    entered: a view made inside one would put the whole dataset's storage on it)."""
+    return list(zip(*mlp_data()))
+
+
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 4))
@@ -160,7 +167,7 @@ def on_host(items: list) -> Any:
 
 def lightning_module() -> Any:
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -178,7 +185,7 @@ def lightning_module() -> Any:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
         def train_dataloader(self) -> Any:
-            return DataLoader(TensorDataset(*mlp_data()), batch_size=self.batch_size, collate_fn=on_host)
+            return DataLoader(mlp_items(), batch_size=self.batch_size, collate_fn=on_host)
 
         def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
             return [t.clone() for t in batch]  # the copy to the GPU
@@ -226,19 +233,18 @@ def mlp_loop(gpu: SimulatedDevice, seen: list[int]) -> Callable[[int, int], None
 
     def train(micro_batch_size: int, accumulation_steps: int) -> None:
         x, y = mlp_data()
+        parts = [(x[i : i + micro_batch_size], y[i : i + micro_batch_size])  # host views, made outside the GPU
+                 for i in range(0, 2 * accumulation_steps * micro_batch_size, micro_batch_size)]  # fmt: skip
         model = mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         with gpu:
             gpu.track(model)
-            start = 0
-            for _ in range(2):
-                for _ in range(accumulation_steps):
+            for step in range(2):
+                for k in range(accumulation_steps):
                     seen.append(micro_batch_size)
-                    part = slice(start, start + micro_batch_size)
-                    xb, yb = x[part].clone(), y[part].clone()  # the copy to the GPU
+                    xb, yb = (t.clone() for t in parts[step * accumulation_steps + k])  # the copy to the GPU
                     loss = nn.functional.mse_loss(model(xb), yb) / accumulation_steps
                     loss.backward()
-                    start += micro_batch_size
                 optimizer.step()
                 optimizer.zero_grad()
 
@@ -264,10 +270,9 @@ def accelerate_rows(global_batch: int) -> list[Row]:
     rows.append(Row("Accelerate", "accelerate find_executable_batch_size", len(seen) - 2, gpu.stats().num_ooms, 0,
                     final, 1))  # fmt: skip
 
-    x, y = mlp_data()
-    workload = Workload(
+    workload = Workload(  # fresh tensors of the items' shapes: the loop copies its micro-batches to the GPU
         model=mlp,
-        batch=lambda b: (x[:b].clone(), y[:b].clone()),  # as the loop copies them to the GPU
+        batch=lambda b: (torch.randn(b, TOKENS, FEATURES), torch.randn(b, TOKENS, 4)),
         loss=lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1]),
         optimizer=lambda params: torch.optim.SGD(params, lr=LR),
     )
@@ -289,7 +294,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in ("lightning", "lightning.pytorch", "transformers", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    mlp_data()
+    mlp_items()
     rows: list[Row] = []
     with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory() as out:  # the frameworks' chatter
         rows += hf_rows(opts.global_batch)

@@ -26,11 +26,11 @@ LR = 0.1
 
 
 def workload() -> Workload:
-    """One step of ``train`` below, for the estimate: the same net, items and loss."""
-    x, y = data()
+    """One step of ``train`` below, for the estimate: the same net, loss and item shapes (fresh tensors,
+    as ``train`` copies its micro-batches to the GPU; the dataset itself stays in host memory)."""
     return Workload(
         model=net,
-        batch=lambda b: (x[:b], y[:b]),
+        batch=lambda b: (torch.randn(b, 32, 128, dtype=torch.float64), torch.randn(b, 32, 4, dtype=torch.float64)),
         loss=lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1]),
         optimizer=lambda params: torch.optim.SGD(params, lr=LR),
     )
@@ -39,18 +39,20 @@ def workload() -> Workload:
 def train(micro_batch_size: int, accumulation_steps: int, gpu: SimulatedDevice | None = None) -> dict[str, Any]:
     """A hand-written accumulation loop, run inside ``gpu`` (a simulated GPU) when given."""
     x, y = data()
+    # Views of the host data, made before the GPU is entered (a view made inside would put the whole
+    # dataset's storage on it); each is copied to the GPU when its turn comes.
+    parts = [(x[i : i + micro_batch_size], y[i : i + micro_batch_size])
+             for i in range(0, STEPS * micro_batch_size * accumulation_steps, micro_batch_size)]  # fmt: skip
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with gpu if gpu is not None else torch.autograd.set_grad_enabled(True):
         if gpu is not None:
             gpu.track(model)
-        start = 0
-        for _ in range(STEPS):
-            for _ in range(accumulation_steps):
-                part = slice(start, start + micro_batch_size)
-                loss = nn.functional.mse_loss(model(x[part]), y[part]) / accumulation_steps
+        for step in range(STEPS):
+            for k in range(accumulation_steps):
+                xb, yb = (t.clone() for t in parts[step * accumulation_steps + k])  # the copy to the GPU
+                loss = nn.functional.mse_loss(model(xb), yb) / accumulation_steps
                 loss.backward()
-                start += micro_batch_size
             optimizer.step()
             optimizer.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -80,17 +80,6 @@ def test_planned_arguments_train_exactly(
     assert ran["seen"] == [micro] * (2 * steps)
 
 
-@pytest.mark.parametrize("global_batch_size", [8])
-def test_world_size_two_in_process(model: Any, out_dir: str, global_batch_size: int) -> None:
-    planned, plan = plan_training_arguments(
-        model, arguments(out_dir), global_batch_size, device=_gpu(), sample=example(0), world_size=2
-    )
-    micro, steps = planned.per_device_train_batch_size, planned.gradient_accumulation_steps
-    assert micro * steps * 2 == global_batch_size
-    assert micro == largest_divisor_at_most(global_batch_size // 2, plan.max_micro_batch_size)
-    assert plan.gpus == 2 and plan.splits == [[micro] * steps, [micro] * steps]
-
-
 @pytest.mark.slow
 def test_two_processes_train_with_the_same_plan(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
