@@ -62,3 +62,15 @@ def test_the_cli_without_transformers_is_one_line(monkeypatch: pytest.MonkeyPatc
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("batchfit: error:") and "batchfit[transformers]" in err
+
+
+def test_planning_takes_none_of_an_active_simulated_gpus_memory() -> None:
+    """A framework's fit start runs inside the GPU it trains on; the traced steps are not on it."""
+    from batchfit import SimulatedDevice, presets
+    from batchfit.integrations._common import equal_plan
+
+    gpu = SimulatedDevice("64MiB")
+    with gpu:
+        plan = equal_plan(presets.get("mlp"), 12, device="1GiB", world_size=2, rungs=[("fp32", False)], framework="X")
+    assert gpu.stats().peak_reserved_bytes == 0
+    assert plan.micro_batch_size * plan.accumulation_steps * 2 == 12 and plan.gpus == 2
