@@ -138,9 +138,12 @@ def test_the_optimizer_of_args_optim_is_traced(model: Any, out_dir: str, optim: 
     wl = trainer_workload(model, args, sample=example(0))
     with trainer_config(model, args):
         states = batchfit.estimate(wl, 2, device="A100-80GB").breakdown["optimizer_states"]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    if optim.startswith("adamw"):
-        assert states == 2 * weights  # exp_avg and exp_avg_sq of every weight
+    from batchfit.memory.allocator import round_size
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(round_size(p.numel() * p.element_size()) for p in trainable)  # in the allocator's blocks
+    if optim.startswith("adamw"):  # exp_avg and exp_avg_sq of every weight, and a one-number step counter
+        assert states == 2 * weights + len(trainable) * round_size(4)
     elif optim == "sgd":
         assert states == 0  # the Trainer's SGD has no momentum
     else:
