@@ -6,7 +6,8 @@ Map of the tree (kept shallow on purpose, so callers catch one thing)::
     ├── ConfigError (+ ValueError)     bad input: a size, a name, a capacity, a batch, a loss
     │   ├── UnknownNameError (+ KeyError-like message)   unknown device or preset
     │   ├── ProfileError               a device profile that is unreadable or not for this device
-    │   └── NoGpuError                 a command that must measure a GPU, run where none is visible
+    │   ├── NoGpuError                 a command that must measure a GPU, run where none is visible
+    │   └── MissingExtraError (+ ImportError)           an optional package an integration needs
     ├── DoesNotFitError                even one item does not fit, or a stage of a step; names the remedy
     │   └── (train.outofmemory.MicroBatchOutOfMemory: one micro-batch; also a torch.OutOfMemoryError)
     ├── TraceError                     the training step failed while traced (names the module and op)
@@ -56,6 +57,14 @@ class ProfileError(ConfigError):
 
 class NoGpuError(ConfigError):
     """A command that measures a real GPU (``batchfit calibrate``) was run where none is visible."""
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """An optional package is not installed; the message names the ``batchfit[extra]`` that brings it.
+
+    Also an ``ImportError``, so ``try: import ... except ImportError`` around an optional integration
+    keeps working.
+    """
 
 
 class DoesNotFitError(BatchfitError):

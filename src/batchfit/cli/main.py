@@ -24,6 +24,7 @@ from .options import (
     CudaLoadingOpt,
     CudnnBenchmarkOpt,
     DeviceOpt,
+    HfArgsOpt,
     InterconnectName,
     InterconnectOpt,
     JsonOpt,
@@ -228,14 +229,20 @@ def plan_command(
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
+    hf_args: HfArgsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
     from ..plan import plan
 
+    planner = plan
+    if hf_args is not None:
+        from ..integrations.transformers import training_arguments_planner
+
+        planner = training_arguments_planner(hf_args)
     wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
     with opts.progress(as_json) as show:
-        result = plan(
+        result = planner(
             wl,
             global_batch_size,
             device=opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark),

@@ -214,3 +214,11 @@ BaseBatchSizeOpt = Annotated[
 LrRuleOpt = Annotated[
     LrRule, typer.Option("--lr-rule", help="auto (sqrt for Adam-type, linear otherwise), linear or sqrt.")
 ]
+HfArgsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hf-args",
+        help="Plan for the Hugging Face Trainer (equal micro-batches, its precision and checkpointing options) and "
+        "write the TrainingArguments fields to set to this JSON file.",
+    ),
+]
