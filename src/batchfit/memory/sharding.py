@@ -1,18 +1,25 @@
 """Fully sharded data parallelism (FSDP) seen from one GPU's memory.
 
-FSDP (``torch.distributed.fsdp.fully_shard``) keeps ``1/world_size`` of every parameter, gradient and
-optimizer state on each rank, and all-gathers one unit's (one block's) full parameters just before it
-runs, in forward and again in backward, freeing them after; with the default prefetching, the next
-unit's gather overlaps the current one's compute. Activations and the batch are per rank, as in DDP.
+FSDP2 (``torch.distributed.fsdp.fully_shard``) splits every parameter along dim 0 into ``world_size``
+chunks (``torch.chunk``) and keeps one on each rank, padded to the largest chunk: rank 0 holds
+``ceil(rows / world_size)`` rows of each parameter, the most of any rank. Gradients are
+reduce-scattered into one flat storage per unit with the same padded shards, and an optimizer state
+made ``zeros_like`` a parameter has its shard's shape. Buffers stay whole on every rank, and so do
+scalar optimizer states (Adam's ``step``). Before a unit runs, in forward and again in backward, FSDP
+all-gathers its full parameters and frees them after; with the default prefetching, the next unit's
+gather overlaps the current one's compute. Activations and the batch are per rank, as in DDP.
 
-We derive a rank's trace from the single-GPU trace: parameter, gradient and optimizer-state storages
-shrink to their shard (rounded up), and a buffer of two units' full parameters (current + prefetched)
-is held for the whole step. Units are the blocks of a numbered container (``h.3``, ``layers.17``),
-which is how FSDP is usually applied (one ``fully_shard`` per transformer block, then the root).
+We derive rank 0's trace from the single-GPU trace: each storage the trace knows FSDP shards by rows
+(``MemoryTrace.rows``) shrinks to ``ceil(rows / world_size)`` rows, which is exact for parameters,
+gradients and optimizer states (``tests/test_sharding.py`` compares it with a run of ``fully_shard``
+on two processes); everything else stays whole. A buffer of two units' full parameters (current +
+prefetched) is held for the whole step. Units are the blocks of a numbered container (``h.3``,
+``layers.17``), which is how FSDP is usually applied (one ``fully_shard`` per transformer block,
+then the root).
 
 Limitations:
-    An approximation: the gather buffers really come and go per unit, reduce-scatter buffers of
-    gradients are not modelled, and the root unit's own parameters (embeddings) are assumed sharded.
+    The gather buffers really come and go per unit, and reduce-scatter buffers of gradients are not
+    modelled: those two are approximations.
 """
 
 from __future__ import annotations
@@ -42,9 +49,14 @@ def largest_unit_bytes(trace: MemoryTrace) -> int:
     """Full parameter bytes of the largest FSDP unit (what one all-gather materialises)."""
     units: dict[str, int] = defaultdict(int)
     for sid, role in trace.role.items():
-        if role is Category.PARAMETERS:
+        if role is Category.PARAMETERS and sid in trace.rows:  # buffers are not gathered
             units[unit_of(trace.module.get(sid, ""))] += trace.nbytes[sid]
     return max(units.values(), default=0)
+
+
+def shard_bytes(nbytes: int, rows: int, world_size: int) -> int:
+    """Bytes of rank 0's shard of a storage of ``rows`` rows: ``ceil(rows / world_size)`` of them."""
+    return -(-rows // world_size) * (nbytes // rows) if rows else nbytes
 
 
 def shard_trace(trace: MemoryTrace, world_size: int) -> MemoryTrace:
@@ -52,9 +64,9 @@ def shard_trace(trace: MemoryTrace, world_size: int) -> MemoryTrace:
     if world_size <= 1:
         return trace
     nbytes = dict(trace.nbytes)
-    for sid, role in trace.role.items():
-        if role in _SHARDED:
-            nbytes[sid] = -(-nbytes[sid] // world_size)
+    for sid, rows in trace.rows.items():
+        if trace.role.get(sid) in _SHARDED:
+            nbytes[sid] = shard_bytes(nbytes[sid], rows, world_size)
     gather = (1 << 41) + 1  # an id no traced storage uses
     nbytes[gather] = 2 * largest_unit_bytes(trace)
     role = dict(trace.role)
@@ -66,5 +78,5 @@ def shard_trace(trace: MemoryTrace, world_size: int) -> MemoryTrace:
     phases = [(index + 1, phase, step) for index, phase, step in trace.phases]
     return MemoryTrace(
         events=[gather, *trace.events], nbytes=nbytes, role=role, module=module, phases=phases, op=op,
-        notes=trace.notes, flops=trace.flops,
+        notes=trace.notes, flops=trace.flops, rows=trace.rows,
     )  # fmt: skip

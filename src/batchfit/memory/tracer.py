@@ -49,6 +49,10 @@ class MemoryTrace:
     """What the trace had to assume (value reads it could not know, compiled modules run eagerly)."""
     flops: dict[tuple[str, int], int] = field(default_factory=dict)
     """Floating-point operations by ``(phase, step)`` (``memory/flops.py``): what time models start from."""
+    rows: dict[int, int] = field(default_factory=dict)
+    """Dim-0 length of each storage that FSDP shards by rows: a parameter's, its gradient's and each
+    optimizer state of the parameter's shape (``memory/sharding.py``). Buffers, scalar states (Adam's
+    ``step``) and storages shared by several tensors are absent: FSDP keeps them whole."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
         """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
@@ -239,6 +243,15 @@ class Tracer:
             sid = self._tracker.register(p.grad)
             self._roles.mark(sid, Category.GRADIENTS)
             self._own(sid, p)
+            self._note_rows(p.grad)
+
+    def _note_rows(self, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+        """Record ``t``'s dim-0 length when its storage holds exactly ``t`` (and ``t`` has ``like``'s shape)."""
+        if t.dim() == 0 or (like is not None and t.shape != like.shape):
+            return
+        sid = self._tracker.storage_id(t)
+        if sid is not None and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            self.trace.rows[sid] = t.shape[0]
 
     def _own(self, sid: int | None, p: torch.Tensor) -> None:
         if sid is not None:
@@ -251,6 +264,7 @@ class Tracer:
                     sid = self._tracker.register(value)
                     self._roles.mark(sid, Category.OPTIMIZER_STATES)
                     self._own(sid, p)
+                    self._note_rows(value, like=p)
 
     def mark(self, phase: str, step: int) -> None:
         """Start ``phase`` of ``step`` on the timeline."""
@@ -289,6 +303,8 @@ class Tracer:
             if sid is not None:
                 self._roles.born(sid, Category.PARAMETERS)
                 self._own(sid, tensor)
+        for p in self.model.parameters():
+            self._note_rows(p)
         for p in trainable_parameters(self.model):
             handle = p.register_post_accumulate_grad_hook(self._grad_hook)
             stack.callback(handle.remove)

@@ -1,0 +1,62 @@
+"""FSDP's memory on one rank, derived from the single-GPU trace, against ``fully_shard`` on two processes.
+
+``tests/fsdp_memory_worker.py`` shards each workload with FSDP2 (gloo on the CPU, under torchrun) and
+measures rank 0's local parameter, gradient and optimizer-state storages; here the same workloads are
+traced once and ``shard_trace`` derives rank 0's trace arithmetically. The bytes must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fsdp_memory_worker import BATCH_SIZE, WORKLOADS
+
+from batchfit.memory.categories import Category
+from batchfit.memory.sharding import shard_bytes, shard_trace
+from batchfit.memory.trace import MemoryTrace, trace_workload
+
+WORKER = Path(__file__).with_name("fsdp_memory_worker.py")
+_MEASURED = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)
+
+
+def most_alive(trace: MemoryTrace, category: Category) -> int:
+    """The most bytes of ``category`` alive at once in ``trace`` (one step's gradients, all the weights)."""
+    alive = most = 0
+    for is_alloc, sid, nbytes in trace.allocations():
+        if trace.role.get(sid) is category:
+            alive += nbytes if is_alloc else -nbytes
+            most = max(most, alive)
+    return most
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, int]]:
+    out = tmp_path_factory.mktemp("fsdp-memory") / "rank0.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_sharded_trace_holds_what_fully_shard_keeps_on_rank_0(measured: dict, name: str) -> None:
+    trace = trace_workload(WORKLOADS[name](), BATCH_SIZE, param_dtype=None, autocast=None)
+    rank0 = shard_trace(trace, 2)
+    for category in _MEASURED:
+        assert most_alive(rank0, category) == measured[name][category.value], category
+
+
+def test_uneven_rows_are_what_tells_the_shard_apart_from_half(measured: dict) -> None:
+    # 33 rows on two ranks: rank 0 keeps 17 of them, more than half the bytes. Every workload of the
+    # worker has such parameters, so a model that halves bytes would fail the test above.
+    assert shard_bytes(33 * 18 * 4, 33, 2) == 17 * 18 * 4 > 33 * 18 * 4 // 2
+    assert shard_bytes(7 * 4, 7, 8) == 4 and shard_bytes(4, 0, 2) == 4
+    for name in WORKLOADS:
+        whole = trace_workload(WORKLOADS[name](), BATCH_SIZE, param_dtype=None, autocast=None)
+        assert measured[name]["parameters"] != -(-most_alive(whole, Category.PARAMETERS) // 2)
