@@ -39,3 +39,18 @@ def _fresh_trace_cache() -> None:
     from batchfit.cache import CACHE
 
     CACHE.clear_memory()
+
+
+@pytest.fixture(autouse=True)
+def _collect_after_each_test_when_asked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Debugging aid: with BATCHFIT_GC_EACH_TEST=1, collect garbage after each test, so that an object
+    whose destruction crashes is found at the test that made it, not at some later collection."""
+    import os
+
+    yield
+    if os.environ.get("BATCHFIT_GC_EACH_TEST") == "1":
+        import gc
+        import sys
+
+        print(f"\n[gc after {request.node.nodeid}]", file=sys.stderr, flush=True)
+        gc.collect()
