@@ -129,3 +129,33 @@ def test_data_dependent_shapes_on_unknown_values_assume_every_element() -> None:
     est = batchfit.estimate(_classify(Router), 64, device="cpu")
     assert any("all 64 elements nonzero" in n for n in est.notes)
     assert any("boolean mask of 64 selected" in n for n in est.notes)
+
+
+class _SavedCopy(nn.Module):
+    """What peft's ``modules_to_save`` does: a trainable deep copy beside the frozen original."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.original = nn.Linear(16, 4)
+        self.original.requires_grad_(False)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.copy = copy.deepcopy(self.original).requires_grad_(True)
+        self.copy.register_buffer("scale", copy.deepcopy(self.scale))
+        self.same_mode = getattr(self.copy.weight, "fake_mode", 0) is getattr(self.original.weight, "fake_mode", 0)
+        self.same_storage = self.copy.weight.untyped_storage() is self.original.weight.untyped_storage()
+        self.copied_value = self.copy.scale.tolist()  # a known value stays known in the copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.copy(x) * self.copy.scale
+
+
+def test_a_deep_copy_while_building_is_a_new_fake_of_the_same_mode() -> None:
+    from batchfit.memory.trace import fake_model
+
+    model = fake_model(_classify(_SavedCopy))
+    # A fake's deep copy used to clone its whole FakeTensorMode (the process later died freeing both).
+    assert model.same_mode and not model.same_storage and model.copied_value == [2.0] * 4
+    assert isinstance(model.copy.weight, nn.Parameter) and model.copy.weight.requires_grad
+    assert not model.original.weight.requires_grad
+    est = batchfit.estimate(_classify(_SavedCopy), 8, device="cpu")
+    assert est.peak_allocated_bytes == measure_cpu_peak(_classify(_SavedCopy), 8)

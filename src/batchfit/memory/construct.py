@@ -13,6 +13,12 @@ things fake parameters do not allow by default, and each is made to work here, o
   are dropped: the trace runs on fake CPU tensors and models the target device separately.
 - ``torch.compile``: a compiled module (or one compiled in place with ``module.compile()``) is
   traced as its eager module and the estimate says so; compiled regions are run eagerly.
+- ``copy.deepcopy`` of a fake tensor (peft's ``modules_to_save`` copies the module it saves,
+  ``nn.TransformerEncoder`` clones its layer): ``Tensor.__deepcopy__`` deep-copies a subclass's
+  ``__dict__``, and a fake tensor's holds its ``FakeTensorMode``, so each copy cloned the whole mode,
+  C++-backed state included; freeing both later corrupted the heap (the process died at a garbage
+  collection or at exit, in about half the runs of a LoRA BERT with ``modules_to_save``). While
+  building, a deep copy of a fake is a fresh fake of the same layout in the active mode instead.
 - Lazy modules (``nn.LazyLinear``): their parameters exist only after a first forward, so one is
   run on a batch of one item before the optimizer is made, as a user's own loop must.
 - Value reads while building (stochastic-depth rates from ``linspace(...).tolist()``): answered by
@@ -31,10 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import BatchfitError, ConfigError
-from .values import DEFAULT_LIMIT, adopt, forget
+from .values import DEFAULT_LIMIT, adopt, forget, real_of
 
 _ORIGINAL_APPLY = nn.Module._apply
 _ORIGINAL_TO = nn.Module.to
@@ -114,6 +121,42 @@ def _real_placeholder(original_new: Any) -> Any:
     return new
 
 
+_FAKE_OWN = frozenset({"fake_mode", "fake_device", "constant", "real_tensor", "_is_param"})
+"""Attributes a fake tensor (or fake parameter) carries for itself: made anew, never copied."""
+
+
+def _deepcopy_fake(t: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
+    """A deep copy of ``t``: a fresh fake of its layout in the active mode (see the NOTE above)."""
+    if id(t) in memo:
+        return memo[id(t)]
+    with torch.no_grad():
+        fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    real = real_of(t)
+    if real is not None:
+        with _disable_current_modes():
+            real = real.clone()
+        adopt(fresh, real)
+    else:
+        forget(fresh)
+    new = nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+    if not isinstance(t, nn.Parameter) and t.requires_grad:
+        new.requires_grad_()
+    memo[id(t)] = new
+    for key, value in t.__dict__.items():
+        if key not in _FAKE_OWN and not key.endswith(("_memo", "_memo_vc")) and key not in new.__dict__:
+            setattr(new, key, copy.deepcopy(value, memo))
+    return new
+
+
+class _FakeDeepcopy(TorchFunctionMode):
+    """``copy.deepcopy`` of a fake tensor through ``_deepcopy_fake`` (every other call unchanged)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
+            return _deepcopy_fake(args[0], args[1] if len(args) > 1 else {})
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def fake_construction() -> Iterator[None]:
     """While active, constructors that move or cast fake parameters work (see the NOTE above)."""
@@ -131,7 +174,7 @@ def fake_construction() -> Iterator[None]:
     for cls, new in lazy_new.items():
         cls.__new__ = staticmethod(_real_placeholder(new.__func__ if isinstance(new, staticmethod) else new))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _FakeDeepcopy():
             # copy.deepcopy of a fake module reads data_ptr() (Tensor.__deepcopy__): harmless here
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield
