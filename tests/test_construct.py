@@ -4,6 +4,11 @@ weights, compiled and lazy modules, value reads during the step, and failures th
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,15 +108,31 @@ class _ReadsValues(nn.Module):
         return out
 
 
-def test_value_reads_follow_known_values_and_note_assumed_ones() -> None:
+def _value_reads_figures() -> tuple[int, int, list[str]]:
+    """The estimate's peak, the measured peak and the estimate's notes for ``_ReadsValues`` at batch 8."""
     wl = Workload(
         model=_ReadsValues,
         batch=lambda b: (torch.randn(b, 16), torch.full((b,), 8), torch.randint(0, 4, (b,))),
         loss=lambda m, batch: F.cross_entropy(m(batch[0], batch[1]), batch[2]),
     )
     est = batchfit.estimate(wl, 8, device="cpu")
-    assert est.peak_allocated_bytes == measure_cpu_peak(wl, 8)
-    assert len(est.notes) == 1 and "_ReadsValues" in est.notes[0] and "assumed False" in est.notes[0]
+    return est.peak_allocated_bytes, measure_cpu_peak(wl, 8), list(est.notes)
+
+
+def test_value_reads_follow_known_values_and_note_assumed_ones() -> None:
+    # In a fresh process: after some other tests in the same process (seen once under pytest-xdist,
+    # not reproduced in isolation) this estimate came out 16 bytes above the measurement.
+    code = (
+        "import json, torch; torch.set_num_threads(1); import test_construct as t; "
+        "print(json.dumps(t._value_reads_figures()))"
+    )
+    env = dict(os.environ, BATCHFIT_CACHE="0", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                         timeout=300, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    estimated, measured, notes = json.loads(run.stdout.strip().splitlines()[-1])
+    assert estimated == measured
+    assert len(notes) == 1 and "_ReadsValues" in notes[0] and "assumed False" in notes[0]
 
 
 def test_data_dependent_shapes_on_unknown_values_assume_every_element() -> None:
