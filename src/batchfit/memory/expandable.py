@@ -10,6 +10,8 @@ the page arithmetic sits apart from the cudaMalloc path it replaces; the byte ac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .blocks import LARGE_BUFFER, SMALL_BUFFER, _Block, _Pool, _try_merge
 
 # ExpandableSegment reserves address space for totalGlobalMem + totalGlobalMem / 8, room to re-map pages
@@ -25,9 +27,8 @@ class ExpandableSegments:
     capacity_bytes: int | None
     reserved_bytes: int
     _next_addr: int
-
-    def _reserve(self, nbytes: int) -> None:  # CachingAllocator's: counts reserved bytes and their peak
-        raise NotImplementedError
+    _reserve: Callable[[int], None]
+    """``CachingAllocator._reserve``: counts reserved bytes and their peak (the host class defines it)."""
 
     def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
         """``try_allocate_expandable_block``: map pages at the lowest address with room for ``size``."""
