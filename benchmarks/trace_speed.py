@@ -4,9 +4,9 @@ Both sides run the same two steps (same model built under ``FakeTensorMode``, sa
 CUDA device resolves it, same batch, bf16 autocast) in a fresh subprocess each, so that each peak RSS
 (``resource.getrusage(...).ru_maxrss``) belongs to one tool only:
 
-* ours: ``batchfit.memory.trace.trace_workload`` called as ``batchfit.estimate`` calls it for an
-  A100-80GB in bf16 (CUDA kernel model and emulation), and the whole ``estimate()`` (trace + allocator
-  replay) beside it;
+* ours: the trace ``batchfit.estimate`` runs for an A100-80GB in bf16 (``_trace_for_device``: the
+  CUDA kernel model and emulation, host memory not counted), and the whole ``estimate()`` (trace +
+  allocator replay, trace cache off) beside it;
 * ``torch.distributed._tools.mem_tracker.MemTracker``, PyTorch's own tracker, used as its docstring
   says (``track_external`` before use, ``reset_mod_stats()`` between iterations);
 * the floor: the same two steps on fake tensors with nothing watching them (what any fake-tensor
@@ -50,26 +50,18 @@ def _ours() -> dict[str, Any]:
     """Worker: our trace (as ``estimate`` runs it) and the full ``estimate``, timed."""
     import batchfit
     from batchfit import presets
+    from batchfit.cache import CACHE
     from batchfit.devices import get_device
-    from batchfit.memory.cuda import CudaKernels, cuda_emulation
-    from batchfit.memory.estimate import read_peak
-    from batchfit.memory.trace import trace_workload
+    from batchfit.memory.estimate import _trace_for_device, read_peak
     from batchfit.precision import policy_for
 
     workload = presets.get(PRESET)
     device = get_device(DEVICE)
-    policy = policy_for(PRECISION, bf16_supported=device.bf16)
+    policy = policy_for(PRECISION, bf16_supported=device.bf16, device_name=device.name)
+    CACHE.enabled = False  # every estimate below traces
 
-    def trace() -> Any:
-        return trace_workload(
-            workload,
-            BATCH_SIZE,
-            param_dtype=policy.param_dtype,
-            autocast=policy.autocast("cpu"),
-            kernels=CudaKernels(device),
-            emulation=cuda_emulation(policy),
-            foreach_optimizer=True,
-        )
+    def trace() -> Any:  # the trace exactly as estimate() runs it for this device (the cache aside)
+        return _trace_for_device(workload, BATCH_SIZE, device, policy, ())
 
     trace()  # warm-up: imports, first-call caches
     trace_times, estimate_times = [], []

@@ -213,12 +213,9 @@ def buildable_under_fake_mode() -> Iterator[None]:
     what the session gives construction: value reads answered (``ValueMode``) and fake-safe ``.to()``.
     On real tensors it does nothing either.
     """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from .values import ValueMode, active_value_mode
 
-    from .values import ValueMode
-
-    stack = _get_current_dispatch_mode_stack()
-    if not isinstance(torch.empty(0), FakeTensor) or any(isinstance(m, ValueMode) for m in stack):
+    if not isinstance(torch.empty(0), FakeTensor) or active_value_mode() is not None:
         yield
         return
     with ValueMode(), fake_construction():
@@ -229,14 +226,13 @@ def buildable_under_fake_mode() -> Iterator[None]:
 def fake_session() -> Iterator[Any]:
     """Fake tensors with value shadows, library compatibility and eager compiled regions; yields the
     ``ValueMode`` (whose notes say what the trace had to assume)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from .compat import library_compat
-    from .values import ValueMode
+    from .values import FakeValueMode
 
-    values = ValueMode()
-    with library_compat(), eager_compiled_regions(), FakeTensorMode(allow_non_fake_inputs=True), values:
-        yield values
+    mode = FakeValueMode()
+    # The shadows' random draws come from a forked generator (NOTE [ Reading values during a fake trace ]).
+    with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), mode:
+        yield mode.values
 
 
 def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:

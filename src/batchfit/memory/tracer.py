@@ -280,7 +280,9 @@ class Tracer:
         if self._kernels is not None and hasattr(self._kernels, "start"):
             stack.callback(self._kernels.stop)
             self._kernels.start()
-        values = _active_value_mode()
+        from .values import active_value_mode
+
+        values = active_value_mode()
         if values is not None and values.observer is None:  # one mode for both (see memory/values.py)
             values.observer = self._tracker
             stack.callback(setattr, values, "observer", None)
@@ -318,14 +320,3 @@ class Tracer:
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
         self.trace.role = dict(self._roles.role)
-
-
-def _active_value_mode() -> Any:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from .values import ValueMode
-
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, ValueMode):
-            return mode
-    return None

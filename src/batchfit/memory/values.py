@@ -38,10 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
+    FakeTensorMode,
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -162,7 +164,9 @@ class ValueMode(TorchDispatchMode):
         self.notes: dict[ValueNote, int] = {}
         """Each assumption made, with how many times it was made."""
         self.observer: Any = None
-        """A storage tracker wrapping every op (see NOTE [ One mode for values and tracking ])."""
+        """A storage tracker wrapping every op (see NOTE [ One mode for fakes, values and tracking ])."""
+        self.below: Callable[[Any, tuple, dict], Any] = _call
+        """Runs an op on the layer below (the fake kernels)."""
         self._rng: contextlib.ExitStack | None = None
 
     # -- context: the shadows' random draws come from a forked generator --------------------------
@@ -184,14 +188,21 @@ class ValueMode(TorchDispatchMode):
         self.notes[key] = self.notes.get(key, 0) + 1
 
     # -- dispatch --------------------------------------------------------------------------------
-    # NOTE [ One mode for values and tracking ]
-    # Every Python dispatch mode costs each op a round trip through the dispatcher. While a step is
-    # traced, the storage tracker is not a mode of its own: it sets itself as this mode's ``observer``
-    # and wraps each op here (``observe(func, args, kwargs, call)``), so the trace pays for one layer.
+    # NOTE [ One mode for fakes, values and tracking ]
+    # Every Python dispatch mode costs each op a round trip through the dispatcher (about two thirds
+    # of all dispatches are ``prim.device`` queries, which pay it too). While a step is traced, the
+    # storage tracker is not a mode of its own: it sets itself as this mode's ``observer`` and wraps
+    # each op here (``observe(func, args, kwargs, call)``). And inside batchfit's own session this mode
+    # is not a layer either: ``FakeValueMode`` is the fake mode itself, running ``handle`` before the
+    # fake kernels, so a traced op crosses one Python mode, as it would under a bare ``FakeTensorMode``.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func is _PRIM_DEVICE:
             return func(*args, **kwargs)
+        return self.handle(func, args, kwargs)
+
+    def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """One op: registered by the observer when one is attached, with its values propagated."""
         observer = self.observer
         if observer is not None:
             return observer.observe(func, args, kwargs, self._dispatch)
@@ -201,7 +212,7 @@ class ValueMode(TorchDispatchMode):
         if func in _SCALAR_READS:
             return self._read(func, args[0])
         try:
-            out = func(*args, **kwargs)
+            out = self.below(func, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             return self._data_dependent(func, args, kwargs)
         self._propagate(func, args, kwargs, out)
@@ -337,3 +348,69 @@ class ValueMode(TorchDispatchMode):
             self.note(func, f"every element of a boolean mask of {index.numel()} selected")
             return list(torch.empty((index.dim(), index.numel()), dtype=torch.long).unbind(0))
         return [index]
+
+
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
+
+
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_DEVICE_OF = getattr(fake_tensor, "_DISPATCH_META_HANDLERS", {}).get(_PRIM_DEVICE)
+"""The fake mode's own answer to a device query (None in a torch without it: the fake mode is asked)."""
+
+
+class FakeValueMode(FakeTensorMode):
+    """``FakeTensorMode`` that is also the ``ValueMode`` (``values``): one Python layer per op.
+
+    See NOTE [ One mode for fakes, values and tracking ]. An op dispatched to this mode runs through
+    ``values.handle`` (value shadows, the tracker's registration), which reaches the fake kernels
+    through ``_fake_kernels``. What the handlers make while an op is handled (a shadow's fake, a
+    kernel model's workspace, the engine's in-place accumulation) is made with this mode active and
+    goes straight to the fake kernels, as it would under a separate mode above the fake mode.
+    """
+
+    def __init__(self, where: Callable[[], str] | None = None) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.values = ValueMode(where)
+        self.values.below = self._fake_kernels
+        self._handling = False
+        self._types: Any = ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is _PRIM_DEVICE and _DEVICE_OF is not None:  # what the fake mode answers, without its wrappers
+            return _DEVICE_OF(args)
+        if func is _PRIM_DEVICE or self._handling:
+            return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs)
+        # The dispatcher took this mode off the stack for this call; the handlers run with it back on
+        # (set directly: ``with self`` costs as much again as the rest of this layer).
+        self._handling, self._types = True, types
+        torch._C._set_dispatch_mode(self)
+        try:
+            return self.values.handle(func, args, kwargs or {})
+        finally:
+            torch._C._unset_dispatch_mode(_FAKE_KEY)
+            self._handling = False
+
+    def _fake_kernels(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # The fake mode's own dispatch expects to run with itself off the stack, as the dispatcher
+        # calls it; the handlers around this call run with it on.
+        torch._C._unset_dispatch_mode(_FAKE_KEY)
+        try:
+            return FakeTensorMode.__torch_dispatch__(self, func, self._types, args, kwargs)
+        finally:
+            torch._C._set_dispatch_mode(self)
+
+
+def active_value_mode() -> ValueMode | None:
+    """The ``ValueMode`` in effect: batchfit's fake mode's, else one on the dispatch stack, else None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    fake = torch._C._get_dispatch_mode(_FAKE_KEY)
+    if isinstance(fake, FakeValueMode):
+        return fake.values
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, ValueMode):
+            return mode
+        if isinstance(mode, FakeValueMode):
+            return mode.values
+    return None
