@@ -131,3 +131,21 @@ def test_the_disk_cache_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "elsewhere"))
     _estimate(presets.get("gpt", **TINY), 2)
     assert any((tmp_path / "elsewhere").rglob("*.pickle"))
+
+
+def test_a_repeated_plan_traces_nothing_and_replays_no_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchfit.memory import estimate
+
+    replays = []
+    real_replay = estimate.replay
+    monkeypatch.setattr(estimate, "replay", lambda *a, **k: replays.append(1) or real_replay(*a, **k))
+    wl = presets.get("gpt", **TINY)
+    # 100 items on a GPU that fits 63: two micro-batches of 50, whose estimate is not the fit's (63)
+    first = batchfit.plan(wl, 100, device="410MiB")
+    assert (first.max_micro_batch_size, first.micro_batch_size, first.accumulation_steps) == (63, 50, 2)
+    assert replays
+    replays.clear()
+    CACHE.clear_memory()  # as a new process would: from disk
+    assert _misses(lambda: batchfit.plan(wl, 100, device="410MiB")) == 0
+    assert replays == []
+    assert batchfit.plan(wl, 100, device="410MiB").to_dict() == first.to_dict()

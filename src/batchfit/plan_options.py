@@ -70,7 +70,32 @@ def _fit_config(
     wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Any = None,
 ) -> _Fitted | None:  # fmt: skip
-    """The largest micro-batch (at most the share) of one configuration, or None when none fits."""
+    """The largest micro-batch (at most the share) of one configuration, or None when none fits.
+
+    Kept with the traces (the fit, and the whole-share estimate beside it), so that a repeated plan
+    traces nothing and replays no allocator.
+    """
+    from .cache import CACHE
+    from .memory.cudnn import CudnnFlags
+    from .precision import policy_for
+
+    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+    settings = ("plan-config", dev, CudnnFlags.current(), config, gpus, share, margin, verify, wl.accumulation_steps)
+
+    def compute() -> tuple[FitResult | None, bool]:
+        fitted = _fit_config_uncached(wl, dev, config, gpus, share, margin, verify=verify, progress=progress)
+        return (None, False) if fitted is None else (fitted.result, fitted.workload is not wl)
+
+    result, accumulating = CACHE.fact("plan-config", wl, policy.param_dtype, compute, extra=settings)
+    if result is None:
+        return None
+    return _Fitted(config, result, with_accumulation(wl, 2) if accumulating else wl)
+
+
+def _fit_config_uncached(
+    wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
+    progress: Any = None,
+) -> _Fitted | None:  # fmt: skip
     shards = gpus if config.sharded else 1
     kwargs = dict(precision=config.precision, checkpointing=config.checkpointing, margin=margin,
                   shard_over=shards, verify=verify, max_batch_size=share, progress=progress)  # fmt: skip
@@ -164,15 +189,24 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
 def fit_estimate_at(
     wl: Any, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int
 ) -> Estimate:
-    """The estimate of one rank at ``batch_size`` in a plan's configuration."""
+    """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
+    that a repeated plan replays no allocator)."""
+    from .cache import CACHE
     from .checkpointing import checkpoint_classes
+    from .memory.cudnn import CudnnFlags
     from .memory.estimate import finish_estimate, trace_for_device
     from .memory.sharding import shard_trace
     from .precision import policy_for
 
     policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
     classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)
-    trace = trace_for_device(wl, batch_size, dev, policy, classes)
-    if sharded:
-        trace = shard_trace(trace, gpus)
-    return finish_estimate(trace, wl, batch_size, dev, policy, classes)
+
+    def compute() -> Estimate:
+        trace = trace_for_device(wl, batch_size, dev, policy, classes)
+        if sharded:
+            trace = shard_trace(trace, gpus)
+        return finish_estimate(trace, wl, batch_size, dev, policy, classes)
+
+    settings = ("estimate-at", dev, CudnnFlags.current(), precision, classes, sharded, gpus, batch_size,
+                wl.accumulation_steps)  # fmt: skip
+    return CACHE.fact("estimate-at", wl, policy.param_dtype, compute, extra=settings)
