@@ -180,3 +180,22 @@ def test_a_deep_copy_while_building_is_a_new_fake_of_the_same_mode() -> None:
     assert not model.original.weight.requires_grad
     est = batchfit.estimate(_classify(_SavedCopy), 8, device="cpu")
     assert est.peak_allocated_bytes == measure_cpu_peak(_classify(_SavedCopy), 8)
+
+
+def test_the_session_is_one_python_mode_that_still_reads_values() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from batchfit.memory.construct import fake_session
+    from batchfit.memory.values import FakeValueMode, active_value_mode
+
+    with fake_session() as values:
+        mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        assert isinstance(mode, FakeValueMode) and active_value_mode() is values is mode.values
+        assert [m for m in _get_current_dispatch_mode_stack() if m is not mode] == []  # no layer above it
+        x = torch.arange(6).reshape(2, 3)
+        assert isinstance(x, FakeTensor) and x.device == torch.device("cpu")
+        assert int(x.sum()) == 15 and x[x > 2].shape == (3,)  # a read and a data-dependent shape, known
+        y = torch.randn(2048, 1024)  # above the shadows' size limit: its values are unknown
+        assert bool(y.isnan().any()) is False  # one branch taken, and noted
+    assert values.notes and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
