@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -326,3 +327,17 @@ def test_the_units_fsdp_runs_are_the_units_the_estimate_assumes(name: str, shape
     runtime = {path for path, module in model.named_modules() if any(module is u for u in fsdp_units(model))}
     assumed = {unit_of(path.rpartition(".")[0]) for path, _ in model.named_parameters()}
     assert runtime and assumed == runtime | {""}
+
+
+def test_progress_announces_every_step_a_cold_plan_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchfit.cache import CACHE
+
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))  # cold: nothing traced before
+    wl = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)
+    lines: list[str] = []
+    misses = CACHE.misses
+    p = plan(wl, 64, device="410MiB", progress=lines.append)
+    # The accumulating step fits 63 of the 64 items; the whole share as one micro-batch is traced too.
+    assert (p.micro_batch_size, p.accumulation_steps) == (64, 1)
+    assert "fp32: tracing a step of 64 items as one micro-batch" in lines
+    assert len(lines) == CACHE.misses - misses == 11

@@ -118,6 +118,8 @@ def _fit_config_uncached(
     # checked only where the accumulating step overshoots by about its gradients.
     if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
         ck = config.checkpointing
+        if progress is not None:
+            progress(f"tracing a step of {share} items as one micro-batch")
         whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share)
         if whole.device_total_bytes <= result.capacity_bytes:
             return _Fitted(config, dataclasses.replace(result, max_batch_size=share, estimate=whole), wl)
