@@ -50,7 +50,7 @@ def _ours() -> dict[str, Any]:
     """Worker: our trace (as ``estimate`` runs it) and the full ``estimate``, timed."""
     import batchfit
     from batchfit import presets
-    from batchfit.cache import CACHE
+    from batchfit.cache import no_cache
     from batchfit.devices import get_device
     from batchfit.memory.estimate import _trace_for_device, read_peak
     from batchfit.precision import policy_for
@@ -58,7 +58,6 @@ def _ours() -> dict[str, Any]:
     workload = presets.get(PRESET)
     device = get_device(DEVICE)
     policy = policy_for(PRECISION, bf16_supported=device.bf16, device_name=device.name)
-    CACHE.enabled = False  # every estimate below traces
 
     def trace() -> Any:  # the trace exactly as estimate() runs it for this device (the cache aside)
         return _trace_for_device(workload, BATCH_SIZE, device, policy, ())
@@ -71,7 +70,8 @@ def _ours() -> dict[str, Any]:
         trace_times.append(time.perf_counter() - start)
     for _ in range(RUNS):
         start = time.perf_counter()
-        est = batchfit.estimate(workload, BATCH_SIZE, device=device, precision=PRECISION)
+        with no_cache():  # every estimate traces
+            est = batchfit.estimate(workload, BATCH_SIZE, device=device, precision=PRECISION)
         estimate_times.append(time.perf_counter() - start)
     return {
         "trace_seconds": trace_times,

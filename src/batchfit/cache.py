@@ -126,6 +126,15 @@ class TraceCache:
             self.put(key, found)
         return found
 
+    def device_fact(
+        self, kind: str, workload: Any, device: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()
+    ) -> Any:
+        """``fact`` for a result on a modelled device (a fit, an estimate): the device and the cuDNN
+        settings its kernel model reads are part of the key, beside ``extra``."""
+        from .memory.cudnn import CudnnFlags
+
+        return self.fact(kind, workload, param_dtype, compute, extra=(device, CudnnFlags.current(), *extra))
+
 
 CACHE = TraceCache()
 

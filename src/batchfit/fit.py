@@ -126,14 +126,12 @@ def fit(
         from .cache import CACHE
 
         dev = get_device(device)
-        from .memory.cudnn import CudnnFlags
-
         blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-        settings = ("fit", dev, CudnnFlags.current(), precision, blocks, margin, expandable_segments, shard_over,
-                    verify, max_batch_size, workload.accumulation_steps)  # fmt: skip
+        settings = (precision, blocks, margin, expandable_segments, shard_over, verify, max_batch_size,
+                    workload.accumulation_steps)  # fmt: skip
         policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
-        return CACHE.fact(
-            "fit", workload, policy.param_dtype,
+        return CACHE.device_fact(
+            "fit", workload, dev, policy.param_dtype,
             lambda: _fit(workload, dev, precision, checkpointing, margin, expandable_segments, shard_over, verify,
                          max_batch_size, progress),
             extra=settings,

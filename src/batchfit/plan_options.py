@@ -76,17 +76,16 @@ def _fit_config(
     traces nothing and replays no allocator.
     """
     from .cache import CACHE
-    from .memory.cudnn import CudnnFlags
     from .precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-    settings = ("plan-config", dev, CudnnFlags.current(), config, gpus, share, margin, verify, wl.accumulation_steps)
+    settings = (config, gpus, share, margin, verify, wl.accumulation_steps)
 
     def compute() -> tuple[FitResult | None, bool]:
         fitted = _fit_config_uncached(wl, dev, config, gpus, share, margin, verify=verify, progress=progress)
         return (None, False) if fitted is None else (fitted.result, fitted.workload is not wl)
 
-    result, accumulating = CACHE.fact("plan-config", wl, policy.param_dtype, compute, extra=settings)
+    result, accumulating = CACHE.device_fact("plan-config", wl, dev, policy.param_dtype, compute, extra=settings)
     if result is None:
         return None
     return _Fitted(config, result, with_accumulation(wl, 2) if accumulating else wl)
@@ -195,7 +194,6 @@ def fit_estimate_at(
     that a repeated plan replays no allocator)."""
     from .cache import CACHE
     from .checkpointing import checkpoint_classes
-    from .memory.cudnn import CudnnFlags
     from .memory.estimate import finish_estimate, trace_for_device
     from .memory.sharding import shard_trace
     from .precision import policy_for
@@ -209,6 +207,5 @@ def fit_estimate_at(
             trace = shard_trace(trace, gpus)
         return finish_estimate(trace, wl, batch_size, dev, policy, classes)
 
-    settings = ("estimate-at", dev, CudnnFlags.current(), precision, classes, sharded, gpus, batch_size,
-                wl.accumulation_steps)  # fmt: skip
-    return CACHE.fact("estimate-at", wl, policy.param_dtype, compute, extra=settings)
+    settings = (precision, classes, sharded, gpus, batch_size, wl.accumulation_steps)
+    return CACHE.device_fact("estimate-at", wl, dev, policy.param_dtype, compute, extra=settings)

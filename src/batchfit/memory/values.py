@@ -411,6 +411,4 @@ def active_value_mode() -> ValueMode | None:
     for mode in reversed(_get_current_dispatch_mode_stack()):
         if isinstance(mode, ValueMode):
             return mode
-        if isinstance(mode, FakeValueMode):
-            return mode.values
     return None
