@@ -48,6 +48,8 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .fastkey import prep_args_for_hash
+
 _REAL = "_batchfit_real"
 """Attribute of a fake storage holding the real storage of its shadow."""
 
@@ -390,6 +392,9 @@ class FakeValueMode(FakeTensorMode):
         finally:
             torch._C._unset_dispatch_mode(_FAKE_KEY)
             self._handling = False
+
+    if hasattr(FakeTensorMode, "_prep_args_for_hash"):  # the dispatch cache's key (memory/fastkey.py)
+        _prep_args_for_hash = prep_args_for_hash(FakeTensorMode._prep_args_for_hash)
 
     def _fake_kernels(self, func: Any, args: tuple, kwargs: dict) -> Any:
         # The fake mode's own dispatch expects to run with itself off the stack, as the dispatcher
