@@ -18,9 +18,16 @@ def _keys(mode: FakeTensorMode, args: object) -> tuple[list, list | None]:
     return theirs, ours if fastkey.flatten_args(mode, ours, args, _CacheKeyState()) else None
 
 
-def test_the_installed_torch_gets_the_fast_key() -> None:
-    # On a torch whose metadata or encoding differs the fast path turns itself off; on this one it is on.
-    assert fastkey.fast_keys_match()
+def test_the_installed_torch_gets_the_fast_key_even_when_first_asked_inside_a_traced_op(monkeypatch) -> None:
+    # On a torch whose metadata or encoding differs the fast path turns itself off; on this one it is on,
+    # also when the check first runs inside a traced step (with batchfit's modes set).
+    import batchfit
+    from batchfit.cache import no_cache
+
+    monkeypatch.setattr(fastkey, "_MATCHES", None)
+    with no_cache():
+        batchfit.estimate("mlp", 2, device="A100-80GB")
+    assert fastkey._MATCHES is True
 
 
 def test_every_layout_gets_torchs_own_key_and_layouts_that_differ_get_keys_that_differ() -> None:
