@@ -11,7 +11,7 @@ import batchfit
 from batchfit import presets
 from batchfit.cost import Interconnect, link_gbps, predict_step_time, step_traffic
 from batchfit.devices import get_device
-from batchfit.errors import ConfigError
+from batchfit.errors import ConfigError, TraceError
 from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.states import state_bytes
 from batchfit.precision import policy_for
@@ -92,6 +92,36 @@ def test_state_bytes_are_exact() -> None:
     sgd = state_bytes(presets.get("mlp", optimizer="sgd"), None)
     assert sgd.optimizer_states == 4 * n  # one momentum buffer
     assert state_bytes(wl, torch.bfloat16).parameters == 2 * n
+
+
+def test_state_bytes_of_lazy_modules_are_those_of_the_materialised_model() -> None:
+    """Lazy layers get their shapes from a first batch: the state count runs it, as a trace does (and a
+    plan's lower bound on such a model does not crash on the uninitialised parameters)."""
+    from torch import nn
+
+    from batchfit import Workload
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.LazyLinear(5))
+
+    def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, 24), torch.randint(0, 5, (b,))
+
+    def loss(m: nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(xy[0]), xy[1])
+
+    wl = Workload(model=model, batch=batch, loss=loss, name="lazy")
+    real = model()
+    real(torch.randn(1, 24))
+    n = sum(p.numel() for p in real.parameters())  # 24*64 + 64 + 64*5 + 5
+    states = state_bytes(wl, None)
+    assert (states.parameters, states.gradients, states.optimizer_states) == (4 * n, 4 * n, 2 * 4 * n + 4 * 4)
+    p = batchfit.plan(wl, 8, device="A100-80GB", gpus=2)
+    assert (p.micro_batch_size, p.accumulation_steps, p.gpus) == (4, 1, 2)
+    # An optimizer that cannot step as a training loop steps it: one clear error, not its traceback.
+    lbfgs = dataclasses.replace(wl, optimizer=lambda params: torch.optim.LBFGS(params))
+    with pytest.raises(TraceError, match="optimizer's step on zero gradients: TypeError"):
+        state_bytes(lbfgs, None)
 
 
 def test_a_model_too_large_for_one_gpu_is_sharded_with_fp32_master_weights() -> None:

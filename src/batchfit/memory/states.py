@@ -56,18 +56,28 @@ def state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
 
 
 def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
-    from .construct import build_fake_model, fake_session
+    from ..errors import BatchfitError, TraceError
+    from .construct import build_fake_model, fake_session, materialize_lazy
     from .steps import default_dtype
     from .trace import _make_optimizer
 
     with fake_session():
         with default_dtype(param_dtype):
             model, _ = build_fake_model(workload, param_dtype)
+            try:
+                materialize_lazy(model, workload)  # lazy modules get their shapes from a batch, as in a trace
+            except BatchfitError:
+                raise
+            except Exception as e:
+                raise TraceError(_failed("the first forward of its lazy modules", e)) from e
         params = trainable_parameters(model)
         optimizer = _make_optimizer(workload, model)
         for p in params:
             p.grad = torch.zeros_like(p)
-        optimizer.step()
+        try:
+            optimizer.step()
+        except Exception as e:
+            raise TraceError(_failed("the optimizer's step on zero gradients", e)) from e
         states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         result = StateBytes(
             parameters=_storage_bytes(model_tensors(model)),
@@ -75,3 +85,11 @@ def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
             optimizer_states=_storage_bytes(states),
         )
     return result
+
+
+def _failed(what: str, e: Exception) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return (
+        f"counting the model's parameters and optimizer states failed in {what}: {type(e).__name__}: {text} "
+        "(the training step would fail the same way: check the model, batch, loss and optimizer)"
+    )
