@@ -147,6 +147,45 @@ def test_a_capacity_below_batch_one_raises_a_one_line_error_naming_the_remedies(
     assert fit(GPT, with_total("1GiB", needed)).max_batch_size >= 1
 
 
+def _bn_head() -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+BN_HEAD = Workload(
+    model=_bn_head,
+    batch=lambda b: (torch.randn(b, 16), torch.randint(0, 4, (b,))),
+    loss=lambda m, xy: torch.nn.functional.cross_entropy(m(xy[0]), xy[1]),
+    name="bn-head",
+)
+"""BatchNorm on (batch, features): a step of one item raises, as it would on a GPU."""
+
+
+@pytest.mark.parametrize("cap", [None, 2])
+def test_a_step_that_cannot_run_on_one_item_and_does_not_fit_on_two_does_not_fit(cap: int | None) -> None:
+    # Not the trace's error about one item: the batch does not fit, and the message says both.
+    needed = estimate(BN_HEAD, 2, device="1GiB").device_total_bytes
+    why = "even at batch size 2 .*a step of one item cannot run: .*value per channel"
+    with pytest.raises(DoesNotFitError, match=why):
+        fit(BN_HEAD, with_total("1GiB", needed - 1), max_batch_size=cap)
+    assert fit(BN_HEAD, with_total("1GiB", needed), max_batch_size=cap).max_batch_size >= 2
+
+
+def test_a_plan_moves_on_to_its_next_configuration_when_one_item_cannot_run() -> None:
+    import dataclasses
+
+    import batchfit
+
+    def wide() -> torch.nn.Module:  # 8M parameters: bf16 weights and states save 64 MiB
+        return torch.nn.Sequential(torch.nn.Linear(16, 4096), torch.nn.BatchNorm1d(4096), torch.nn.Linear(4096, 2048))
+
+    wl = dataclasses.replace(BN_HEAD, model=wide, loss=lambda m, xy: m(xy[0]).float().pow(2).mean())
+    device = with_total("1GiB", estimate(wl, 2, device="1GiB").device_total_bytes - 1)
+    p = batchfit.plan(wl, 8, device=device)
+    assert p.precision == "bf16-true" and p.micro_batch_size >= 2
+    assert p.estimate.device_total_bytes <= device.total_bytes
+
+
 def test_the_remedies_named_on_a_gpu_without_bf16_are_ones_it_supports() -> None:
     t4 = get_device("T4")
     needed = estimate(GPT, 1, device=t4).device_total_bytes

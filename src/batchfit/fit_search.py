@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .devices import Device
-from .errors import ConfigError, DoesNotFitError
+from .errors import ConfigError, DoesNotFitError, TraceError
 from .memory.estimate import Estimate, finish_estimate, read_peak, trace_for_device
 from .memory.scaling import TraceLine
 from .memory.trace import MemoryTrace
@@ -132,17 +132,32 @@ def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
     return lo
 
 
-def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int) -> DoesNotFitError:
+def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int, one_fails: str = "") -> DoesNotFitError:
+    """``est`` is the smallest batch traced: 1, or 2 when ``one_fails`` says why a step of one item cannot run."""
     low = "bf16" if device.bf16 else "fp16"  # only remedies this GPU supports
     remedies = [] if est.precision in (low, "bf16-true") else [f"--precision {low}"]
     if not est.checkpointing and workload.checkpoint_blocks:
         remedies.append("--checkpointing")
     remedies += ["more GPUs with sharding (batchfit plan --gpus N)", "a larger GPU"]
+    why = f"; a step of one item cannot run: {one_fails}" if one_fails else ""
     return DoesNotFitError(
-        f"{workload.name} does not fit on {device.name} even at batch size 1 with precision {est.precision}"
-        f"{' and checkpointing' if est.checkpointing else ''}: it needs {format_bytes(est.device_total_bytes)} "
-        f"of {format_bytes(budget)}; try {', '.join(remedies[:-1])} or {remedies[-1]}"
+        f"{workload.name} does not fit on {device.name} even at batch size {est.batch_size} with precision "
+        f"{est.precision}{' and checkpointing' if est.checkpointing else ''}: it needs "
+        f"{format_bytes(est.device_total_bytes)} of {format_bytes(budget)}{why}; try {', '.join(remedies[:-1])} "
+        f"or {remedies[-1]}"
     )
+
+
+def _smallest(search: _Search, larger: Estimate | None) -> Estimate:
+    """The step of one item, traced. Some steps cannot run on one item (BatchNorm after a global pooling
+    needs two values per channel): when a larger step ran but did not fit, the batch does not fit at all,
+    which is what the caller is told (a plan then tries its next configuration)."""
+    try:
+        return search.traced(1)
+    except TraceError as e:
+        if larger is None:
+            raise
+        raise _does_not_fit(search.workload, search.device, larger, search.budget, one_fails=str(e)) from e
 
 
 def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_BATCH) -> int:
@@ -152,14 +167,19 @@ def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_
     nothing above it is traced or run.
     """
     if cap <= 2:
-        for b in range(cap, 0, -1):
-            if search.fits(search.traced(b)):
-                return b
-        raise _does_not_fit(search.workload, search.device, search.traced(1), search.budget)
+        larger = None
+        if cap == 2:
+            larger = search.traced(2)
+            if search.fits(larger):
+                return 2
+        first = _smallest(search, larger)
+        if search.fits(first):
+            return 1
+        raise _does_not_fit(search.workload, search.device, first, search.budget)
     # The line is drawn through batch sizes 2 and 3, not 1 and 2: at batch size 1 broadcasting often
     # skips reductions in backward (an expanded buffer needs no sum), so its ops differ.
     if not search.fits(search.traced(2)):
-        first = search.traced(1)
+        first = _smallest(search, search.traced(2))
         if not search.fits(first):
             raise _does_not_fit(search.workload, search.device, first, search.budget)
         return 1
