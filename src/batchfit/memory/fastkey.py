@@ -25,7 +25,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata, extract_tensor_metadata
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+try:  # torch's dispatch-cache internals (a torch without them keeps its own method: see fast_keys_match)
+    from torch._subclasses.fake_tensor import TensorMetadata, extract_tensor_metadata
+except ImportError:  # pragma: no cover - older torch
+    TensorMetadata = extract_tensor_metadata = None  # type: ignore[assignment,misc]
 from torch.utils._python_dispatch import _disable_current_modes
 
 _TENSOR_FIELDS = (
@@ -116,6 +121,8 @@ def fast_keys_match() -> bool:
 def _check() -> bool:
     from torch._subclasses._fake_tensor_utils import _CacheKeyState
 
+    if TensorMetadata is None:
+        return False
     names = tuple(f.name for f in dataclasses.fields(TensorMetadata))
     if names != _TENSOR_FIELDS:
         return False
