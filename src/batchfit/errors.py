@@ -81,3 +81,9 @@ class TraceError(BatchfitError):
 
 class CheckpointError(BatchfitError):
     """A checkpoint could not be read, is incomplete, or belongs to another run."""
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to one line of at most 300 characters (its type's name when empty):
+    what a one-line batchfit error quotes of an exception raised in the user's code."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

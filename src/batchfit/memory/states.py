@@ -88,8 +88,9 @@ def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
 
 
 def _failed(what: str, e: Exception) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    from ..errors import first_line
+
     return (
-        f"counting the model's parameters and optimizer states failed in {what}: {type(e).__name__}: {text} "
+        f"counting the model's parameters and optimizer states failed in {what}: {type(e).__name__}: {first_line(e)} "
         "(the training step would fail the same way: check the model, batch, loss and optimizer)"
     )

@@ -170,13 +170,13 @@ def step_failure(e: Exception, tracer: Tracer) -> Exception:
         UnsupportedOperatorException,
     )
 
-    from ..errors import BatchfitError, TraceError
+    from ..errors import BatchfitError, TraceError, first_line
 
     if isinstance(e, BatchfitError):
         return e
     where, op = tracer.failed_at or (tracer.current_module(), "")
     at = f" at {op}" if op else ""
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    text = first_line(e)
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
         return TraceError(
             f"the step's output sizes depend on its data in {where}{at}, which batchfit cannot assume; "
