@@ -56,6 +56,16 @@ def test_checkpointing_costs_time_at_equal_micro_batches() -> None:
     assert recomputed > plain
 
 
+def test_an_accumulating_trace_predicts_the_time_of_its_micro_batches_not_twice_that() -> None:
+    """A plan fits a share of several micro-batches on a trace of the accumulating step (two
+    micro-batches per optimizer step); the time model counts one micro-batch's work from it."""
+    from batchfit.memory.estimate import with_accumulation
+
+    plain = step_traffic(_trace(GPT, 4))
+    accumulating = step_traffic(_trace(with_accumulation(GPT, 2), 4))
+    assert accumulating == plain and plain[0] > 0
+
+
 def test_autocast_is_faster_than_fp32_on_tensor_cores() -> None:
     assert _time("bf16") < _time("fp32")
 

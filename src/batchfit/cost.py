@@ -108,8 +108,13 @@ def _bandwidth(device: Any) -> float:
 
 
 def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
-    """``(FLOPs, bytes allocated)`` of the forward and backward of ``step`` in ``trace``."""
+    """``(FLOPs, bytes allocated)`` of the forward and backward of one micro-batch of ``step`` in ``trace``.
+
+    A trace of an accumulating step (``Workload.accumulation_steps``) runs several micro-batches per
+    optimizer step; the time model multiplies by the plan's own count, so the trace's is divided out.
+    """
     flops = sum(n for (phase, s), n in trace.flops.items() if s == step and phase in ("forward", "backward"))
+    micro = max(1, sum(1 for _, name, s in trace.phases if s == step and name == "forward"))
     allocated, phase = 0, ""
     bounds = [(start, name, s) for start, name, s in trace.phases]
     k = 0
@@ -119,7 +124,7 @@ def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
             k += 1
         if e >= 0 and phase in ("forward", "backward"):
             allocated += trace.nbytes[e]
-    return flops, allocated
+    return flops // micro, allocated // micro
 
 
 def predict_step_time(
