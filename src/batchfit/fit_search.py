@@ -65,9 +65,9 @@ class _Search:
 
     def traced(self, b: int) -> Estimate:
         if b not in self.estimates:
-            if self.progress is not None:
-                self.progress(f"tracing a step of {b} item{'s' if b != 1 else ''}")
-            trace = trace_for_device(self.workload, b, self.device, self.policy, self.classes)
+            progress, text = self.progress, f"tracing a step of {b} item{'s' if b != 1 else ''}"
+            announce = None if progress is None else lambda: progress(text)
+            trace = trace_for_device(self.workload, b, self.device, self.policy, self.classes, announce)
             self.traces[b] = trace
             self.estimates[b] = self._estimate(trace, b)
             self.trials += 1

@@ -117,9 +117,9 @@ def _fit_config_uncached(
     # checked only where the accumulating step overshoots by about its gradients.
     if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
         ck = config.checkpointing
-        if progress is not None:
-            progress(f"tracing a step of {share} items as one micro-batch")
-        whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share)
+        announce = None if progress is None else lambda: progress(f"tracing a step of {share} items as one micro-batch")
+        whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share,
+                                announce=announce)  # fmt: skip
         if whole.device_total_bytes <= result.capacity_bytes:
             return _Fitted(config, dataclasses.replace(result, max_batch_size=share, estimate=whole), wl)
     return None if result is None else _Fitted(config, result, accumulating)
@@ -129,27 +129,39 @@ def _may_fit_whole(
     result: FitResult, wl: Any, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
 ) -> bool:
     """Whether the plain step of the whole share could fit although the accumulating step at the share
-    does not: only if it overshoots by about the gradients (alive in the accumulating step only), with
-    an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
+    does not, predicted from the plain steps the accumulating ones were written from where the cache has
+    them (``memory/accumulation.py``; else from the accumulating step less its gradients, alive in it
+    only), with an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
+    from .checkpointing import checkpoint_classes
+    from .memory.estimate import cached_trace, finish_estimate, with_accumulation
+    from .memory.scaling import TraceLine
     from .memory.states import state_bytes
     from .precision import policy_for
 
-    trace = result.trace_at(share)
+    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+    plain = with_accumulation(wl, 1)
+    classes = checkpoint_classes(config.checkpointing, wl.checkpoint_blocks)
+    known = {b: cached_trace(plain, b, dev, policy, classes) for b in sorted(result.traces)[-2:]}
+    trace, slack = None, 20 << 20  # one segment
+    if len(known) == 2 and all(t is not None for t in known.values()):
+        (b1, t1), (b2, t2) = known.items()
+        try:
+            trace = TraceLine(t1, b1, t2, b2).at(share)
+        except ValueError:  # the step's code depends on the batch size: no line
+            trace = None
     if trace is None:
-        return True
+        trace = result.trace_at(share)
+        if trace is None:
+            return True
+        slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards)
     if shards > 1:
         from .memory.sharding import shard_trace
 
         trace = shard_trace(trace, shards)
-    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-    from .memory.estimate import finish_estimate
-
-    est = finish_estimate(trace, wl, share, dev, policy, ())
-    overshoot = est.device_total_bytes - result.capacity_bytes
-    slack = 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards) + (20 << 20)  # + one segment
+    est = finish_estimate(trace, plain, share, dev, policy, classes)
     if generous:
         slack += result.capacity_bytes // 10
-    return overshoot <= slack
+    return est.device_total_bytes - result.capacity_bytes <= slack
 
 
 def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
@@ -188,10 +200,11 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
 
 
 def fit_estimate_at(
-    wl: Any, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int
-) -> Estimate:
+    wl: Any, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int,
+    announce: Any = None,
+) -> Estimate:  # fmt: skip
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
-    that a repeated plan replays no allocator)."""
+    that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
     from .cache import CACHE
     from .checkpointing import checkpoint_classes
     from .memory.estimate import finish_estimate, trace_for_device
@@ -202,7 +215,7 @@ def fit_estimate_at(
     classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)
 
     def compute() -> Estimate:
-        trace = trace_for_device(wl, batch_size, dev, policy, classes)
+        trace = trace_for_device(wl, batch_size, dev, policy, classes, announce)
         if sharded:
             trace = shard_trace(trace, gpus)
         return finish_estimate(trace, wl, batch_size, dev, policy, classes)

@@ -14,6 +14,7 @@ Limitations:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -264,14 +265,23 @@ def estimate(
 
 
 def trace_for_device(
-    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
-) -> MemoryTrace:
+    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
+    announce: Callable[[], None] | None = None,
+) -> MemoryTrace:  # fmt: skip
     """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind, from the
-    trace cache when the same step was traced before (``batchfit/cache.py``)."""
+    trace cache when the same step was traced before (``batchfit/cache.py``); ``announce`` is called
+    just before a step is traced (not when the cache has it: a progress display names real work)."""
     import dataclasses
 
     from ..cache import CACHE, Uncacheable, trace_key
 
+    if workload.accumulation_steps > 1 and not device.exact:  # the plain step's, a second micro-batch written in
+        from .accumulation import accumulating_trace
+
+        plain = trace_for_device(with_accumulation(workload, 1), batch_size, device, policy, classes, announce)
+        accumulating = accumulating_trace(plain)
+        if accumulating is not None:
+            return accumulating
     notes: list[str] = []
     try:
         key: str | None = trace_key(workload, batch_size, device, policy, classes)
@@ -280,10 +290,25 @@ def trace_for_device(
     cached = CACHE.get(key, notes) if key is not None else None
     if cached is not None:
         return cached
+    if announce is not None:
+        announce()
     trace = _trace_for_device(workload, batch_size, device, policy, classes)
     if key is not None:
         CACHE.put(key, trace)
     return dataclasses.replace(trace, notes=[*trace.notes, *notes]) if notes else trace
+
+
+def cached_trace(
+    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+) -> MemoryTrace | None:
+    """The trace the cache holds of this step, or None: never traces (a guess may use what is known)."""
+    from ..cache import CACHE, Uncacheable, trace_key
+
+    try:
+        key = trace_key(workload, batch_size, device, policy, classes)
+    except Uncacheable:
+        return None
+    return CACHE.get(key, [], count=False)
 
 
 def _trace_for_device(

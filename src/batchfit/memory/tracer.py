@@ -53,6 +53,12 @@ class MemoryTrace:
     """Dim-0 length of each storage that FSDP shards by rows: a parameter's, its gradient's and each
     optimizer state of the parameter's shape (``memory/sharding.py``). Buffers, scalar states (Adam's
     ``step``) and storages shared by several tensors are absent: FSDP keeps them whole."""
+    grads: list[tuple[int, int | None, bool, str]] = field(default_factory=list)
+    """``(event_index, sid, copied, made_in)`` each time backward put a gradient into a parameter's
+    ``.grad``: where on the timeline, the gradient's storage (None: not a dense tensor), whether
+    autograd copied it into a new storage there rather than keeping the backward op's own output, and
+    the module whose backward made it (``module`` names the parameter's). What a second micro-batch
+    does differently is decided by these (``memory/accumulation.py``)."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
         """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
@@ -240,7 +246,15 @@ class Tracer:
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            sid = self._tracker.register(p.grad)
+            tracker = self._tracker
+            sid = tracker.register(p.grad)
+            # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
+            # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
+            node = torch._C._current_autograd_node()
+            copied = sid == tracker._next_id - 1 and node is not None and tracker._born_in.get(sid) == id(node)
+            dense = p.grad.layout == torch.strided and sid is not None
+            made_in = self.trace.module.get(sid, OUTSIDE) if sid is not None else OUTSIDE
+            self.trace.grads.append((len(self.trace.events), sid if dense else None, copied, made_in))
             self._roles.mark(sid, Category.GRADIENTS)
             self._own(sid, p)
             self._note_rows(p.grad)
