@@ -158,6 +158,31 @@ def test_a_loss_of_the_wrong_form_is_one_clear_error(loss, fragment: str) -> Non
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+class _SparseTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(64, 8, sparse=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids).mean(1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "A100-80GB"])
+def test_sparse_gradients_are_one_error_naming_the_dense_upper_bound(device: str) -> None:
+    """A sparse gradient's size is its ids' distinct count, a value fake tensors do not have: one line
+    naming the fix, not a claim that the step would fail on a GPU (it would not)."""
+    wl = Workload(
+        model=_SparseTables,
+        batch=lambda b: (torch.randint(0, 64, (b, 5)), torch.randint(0, 2, (b,))),
+        loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    with pytest.raises(batchfit.TraceError) as info:
+        batchfit.estimate(wl, 2, device=device)
+    assert "sparse=False" in str(info.value) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_bad_batch_size(bad) -> None:
     with pytest.raises(ConfigError, match="batch size"):

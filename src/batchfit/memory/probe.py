@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .measure import cpu_memory_profile
 from .trace import real_execution
+from .tracker import sparse_tensor_error
 from .values import adopt, real_of
 
 _SKIP_NAMESPACES = {"profiler"}
@@ -66,6 +67,8 @@ class _Out:
 
 def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise sparse_tensor_error()
         return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset())
     if isinstance(x, torch.Generator):
         return ("G",)
@@ -204,6 +207,8 @@ class CpuScratchProbe:
             self._real_outputs[key] = None
             return
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if any(t.layout != torch.strided for t in outs):
+            raise sparse_tensor_error()
         self._real_outputs[key] = [
             _Out(tuple(t.shape), tuple(t.stride()), t.dtype, t.untyped_storage().nbytes()) for t in outs
         ]

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..errors import TraceError
 from .categories import Category, stronger
 
 _PRIM_DEVICE = torch.ops.prim.device.default
@@ -169,7 +170,12 @@ class StorageTracker(TorchDispatchMode):
 
     def register(self, t: torch.Tensor) -> int | None:
         """Track ``t``'s storage (idempotent); returns its id, or None for empty storages."""
-        st = t.untyped_storage()
+        try:
+            st = t.untyped_storage()
+        except NotImplementedError:
+            if t.layout == torch.strided:
+                raise
+            raise sparse_tensor_error() from None
         key = id(st)
         sid = self._ids.get(key)
         if sid is not None:
@@ -271,6 +277,15 @@ class StorageTracker(TorchDispatchMode):
             self.current_out = None
         self.current_func = None
         return out
+
+
+def sparse_tensor_error() -> TraceError:
+    """The one error for a step with sparse tensors: the sizes of their parts are data (``nnz``)."""
+    return TraceError(
+        "the step makes a sparse tensor (an nn.Embedding or nn.EmbeddingBag with sparse=True, say), whose "
+        "memory depends on the values of its indices, which fake tensors do not have; estimate with "
+        "sparse=False: its dense gradient is an upper bound of the sparse one"
+    )
 
 
 def _call(func: Any, args: tuple, kwargs: dict) -> Any:
