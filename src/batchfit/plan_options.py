@@ -113,8 +113,9 @@ def _fit_config_uncached(
     if result is not None and result.max_batch_size == share:
         return _Fitted(config, result, accumulating)
     # The whole share as one micro-batch (no accumulation: no gradients alive in its forward) may fit
-    # where the accumulating step does not: one more trace settles it for the plan; an alternative is
-    # checked only where the accumulating step overshoots by about its gradients.
+    # where the accumulating step does not: its estimate settles it where the plain steps' line says it
+    # may (the plan's own configuration with 10% to spare), from the trace the accumulating step at the
+    # share was written from if the search looked there, else one more trace.
     if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
         ck = config.checkpointing
         announce = None if progress is None else lambda: progress(f"tracing a step of {share} items as one micro-batch")
