@@ -33,6 +33,23 @@ def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
             os.environ["BATCHFIT_CACHE_DIR"] = saved
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _plans_fit_one_configuration_at_a_time() -> Iterator[None]:
+    """Plans do not fork (``plan_parallel.py``) except where a test asks: two xdist workers already fill
+    the machine, and tests count the steps a plan traces and the progress lines it shows."""
+    import os
+
+    saved = os.environ.get("BATCHFIT_WORKERS")
+    os.environ["BATCHFIT_WORKERS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("BATCHFIT_WORKERS", None)
+        else:
+            os.environ["BATCHFIT_WORKERS"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _fresh_trace_cache() -> None:
     """Each test starts with nothing cached in memory (the disk cache is per session, see above)."""

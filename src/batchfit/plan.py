@@ -26,6 +26,7 @@ from .memory.estimate import Estimate, _as_workload
 from .plan_ladder import _ladder
 from .plan_messages import _nothing_fits, _warnings, describe_split
 from .plan_options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at
+from .plan_parallel import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
 
@@ -127,6 +128,7 @@ def plan(
     lr_rule: str = "auto",
     interconnect: str = "nvlink",
     progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> Plan:
     """Plan ``global_batch_size`` items per optimizer step on ``gpus`` GPUs of ``device``.
 
@@ -137,7 +139,9 @@ def plan(
     shown beside it, fastest first, each with its memory and predicted time per global batch
     (``batchfit.cost``; GPUs talk over ``interconnect``: nvlink, pcie or ib). A configuration whose
     parameters, gradients and optimizer states alone exceed the GPU is skipped without tracing.
-    ``progress`` is called with a short description before each traced step.
+    ``progress`` is called with a short description before each traced step. With ``workers`` > 1
+    (default: the cores available, or ``BATCHFIT_WORKERS``), the configurations after the first are
+    fitted at the same time in forked processes (``plan_parallel.py``); the plan is the same.
 
     Raises:
         ConfigError: a global batch or GPU count below 1, fewer items than GPUs, a device with no
@@ -163,25 +167,43 @@ def plan(
     if dev.total_bytes is None:
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
     link_gbps(dev, interconnect)  # an unknown interconnect fails here, not after the fits
+    n_workers = resolve_workers(workers)
     configs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks))
     share = rank_shares(global_batch_size, gpus)[0]
     budget = int(dev.total_bytes * (1 - margin))
     chosen: _Fitted | None = None
     options: list[tuple[_Fitted, PlanOption]] = []
+    # The loop below fits each of the first 1 + ALTERNATIVES configurations that could fit (unless one
+    # errs): all but the first can be fitted ahead, as the loop asks for them once a first one fits.
+    first: list[Any] = []
     for config in configs:
-        if chosen is not None and len(options) > ALTERNATIVES:
+        if len(first) > ALTERNATIVES:
             break
-        label = ", ".join(config.remedies) or "fp32"
-        if not _could_fit(wl, dev, config, gpus, budget):
-            continue
-        step = None if progress is None else (lambda text, label=label: progress(f"{label}: {text}"))
-        fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
-        if fitted is None:
-            continue
-        option = _option(fitted, dev, gpus, global_batch_size, interconnect)
-        options.append((fitted, option))
-        if chosen is None:
-            chosen = fitted
+        if _could_fit(wl, dev, config, gpus, budget):
+            first.append(config)
+
+    def fit_later(config: Any) -> None:
+        _fit_config(wl, dev, config, gpus, share, margin, verify=False)
+
+    with fit_ahead(wl, first, n_workers, fit_later) as ahead:
+        if ahead.children and progress is not None:
+            progress(f"fitting {len(first) - 1} more configurations in {ahead.children} other "
+                     f"process{'es' if ahead.children > 1 else ''}")  # fmt: skip
+        for config in configs:
+            if chosen is not None and len(options) > ALTERNATIVES:
+                break
+            label = ", ".join(config.remedies) or "fp32"
+            if not _could_fit(wl, dev, config, gpus, budget):
+                continue
+            ahead.wait(config)
+            step = None if progress is None else (lambda text, label=label: progress(f"{label}: {text}"))
+            fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
+            if fitted is None:
+                continue
+            option = _option(fitted, dev, gpus, global_batch_size, interconnect)
+            options.append((fitted, option))
+            if chosen is None:
+                chosen = fitted
     if chosen is None:
         raise _nothing_fits(wl, dev, gpus, configs)
     result, config, fitted_wl = chosen.result, chosen.config, chosen.workload

@@ -221,6 +221,10 @@ def plan_command(
     base_batch_size: BaseBatchSizeOpt = None,
     lr_rule: LrRuleOpt = LrRule.auto,
     interconnect: InterconnectOpt = InterconnectName.nvlink,
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", help="Processes fitting configurations at once (default: the cores; 1: one by one)."),
+    ] = None,
     context_mib: ContextOpt = None,
     task: TaskOpt = None,
     lora: LoraOpt = None,
@@ -255,6 +259,7 @@ def plan_command(
             lr_rule=lr_rule.value,
             interconnect=interconnect.value,
             progress=show,
+            workers=workers,
         )
     if as_json:
         opts.emit_json(result.to_dict())

@@ -1,0 +1,177 @@
+"""A plan's configurations fitted side by side, in forked processes, where the machine has cores to spare.
+
+A plan fits its configurations one after another (``plan.py``), each a few traced steps on one core.
+Which configurations it will fit first is known before it starts: the first ``1 + ALTERNATIVES`` that
+pass the state-only lower bound are each fitted unless one errs, and none depends on another. So
+forked children fit all but the first while the plan's own process fits the first, and a child's
+results reach the plan through the trace cache on disk (one file per entry, replaced atomically),
+where the plan's own call for that configuration then finds them. Nothing else passes between them
+but the number of steps each child traced (``CACHE.misses`` stays the count of traced steps).
+
+Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, and
+more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that runs
+past ``CHILD_PATIENCE`` times what the plan's own first configuration took (at least ``MIN_WAIT_S``),
+is stopped and the plan fits that configuration itself: a child can save time, never change an answer.
+
+NOTE [ Forking a process that has threads ]
+Only the forking thread exists in the child; a lock another thread held at the fork stays held there.
+The child touches none of the parent's threads' objects (no progress display, no output: it leaves with
+``os._exit``), and the interpreter re-creates its own locks after a fork; what is left is a lock inside a
+library some other thread of the user's held at that instant, which would hang the child. The patience
+above bounds what that costs: the plan stops the child and does the work itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
+
+CHILD_PATIENCE = 5.0
+"""A child may take this many times the parent's first configuration before it is stopped."""
+MIN_WAIT_S = 60.0
+"""...and never less than this."""
+
+
+def resolve_workers(workers: Any) -> int:
+    """Processes a plan may use: ``workers``, else ``BATCHFIT_WORKERS``, else the cores available."""
+    source = "workers"
+    if workers is None:
+        env = os.environ.get("BATCHFIT_WORKERS", "").strip()
+        if not env:
+            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        source, workers = "BATCHFIT_WORKERS", env
+        try:
+            workers = int(workers)
+        except ValueError:
+            raise ConfigError(f"BATCHFIT_WORKERS must be a whole number >= 1, got {env!r}") from None
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"{source} must be a whole number >= 1 (1: one configuration at a time), got {workers!r}")
+    return workers
+
+
+class FitAhead:
+    """The children fitting configurations ahead of the plan (none where it would not pay)."""
+
+    def __init__(self) -> None:
+        self._owner: dict[int, int] = {}  # id(config) -> child pid
+        self._reads: dict[int, int] = {}  # child pid -> read end of its pipe
+        self._start = time.monotonic()
+        self._deadline: float | None = None
+        self.children = 0
+
+    def spawn(self, work: list[Any], fit_one: Any) -> None:
+        """Fork one child that calls ``fit_one(config)`` for each of ``work`` in order."""
+        from .cache import CACHE
+
+        read, write = os.pipe()
+        try:
+            with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: see the NOTE
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except Exception:  # noqa: BLE001 - no child (no resources, a warning made an error): the plan fits it
+            os.close(read)
+            os.close(write)
+            return
+        if pid == 0:  # the child: fit, report the steps traced, and leave without the parent's clean-up
+            code = 1
+            try:
+                os.close(read)
+                with contextlib.suppress(Exception):
+                    import torch
+
+                    torch.set_num_threads(1)
+                before = CACHE.misses
+                for config in work:
+                    fit_one(config)
+                os.write(write, str(CACHE.misses - before).encode())
+                code = 0
+            except BaseException:  # noqa: BLE001 - the parent fits it itself
+                pass
+            finally:
+                os._exit(code)
+        os.close(write)
+        self._reads[pid] = read
+        for config in work:
+            self._owner[id(config)] = pid
+        self.children += 1
+
+    def wait(self, config: Any) -> None:
+        """Before the plan fits ``config``: let the child fitting it finish (or stop it when overdue)."""
+        pid = self._owner.get(id(config))
+        if pid is None or pid not in self._reads:
+            return
+        if self._deadline is None:  # the plan's own first configuration is done: it sets the patience
+            now = time.monotonic()
+            self._deadline = now + max(MIN_WAIT_S, CHILD_PATIENCE * (now - self._start))
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                self._reap(pid, os.waitstatus_to_exitcode(status) == 0)
+                return
+            if time.monotonic() > self._deadline:
+                self._stop(pid)
+                return
+            time.sleep(0.02)
+
+    def _reap(self, pid: int, ok: bool) -> None:
+        from .cache import CACHE
+
+        read = self._reads.pop(pid)
+        with os.fdopen(read, "rb") as f:
+            text = f.read().decode() if ok else ""
+        if text.isdigit():
+            CACHE.misses += int(text)
+
+    def _stop(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        os.close(self._reads.pop(pid))
+
+    def close(self) -> None:
+        """Stop every child still running (the plan ended early, or raised)."""
+        for pid in list(self._reads):
+            self._stop(pid)
+
+
+@contextlib.contextmanager
+def fit_ahead(workload: Any, configs: list[Any], workers: int, fit_one: Any) -> Iterator[FitAhead]:
+    """Children fitting ``configs[1:]`` (``fit_one(config)`` each) while the caller fits ``configs[0]``."""
+    ahead = FitAhead()
+    rest = configs[1:]
+    try:
+        if workers > 1 and rest and _can_fork() and _cacheable(workload):
+            n = min(workers - 1, len(rest))
+            for i in range(n):
+                ahead.spawn(rest[i::n], fit_one)
+        yield ahead
+    finally:
+        ahead.close()
+
+
+def _can_fork() -> bool:
+    from .cache import CACHE, cache_dir
+
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and CACHE.enabled and cache_dir() is not None
+
+
+def _cacheable(workload: Any) -> bool:
+    """Whether the plan's facts about ``workload`` are kept on disk (how a child's answer comes back)."""
+    from .cache import Uncacheable, workload_digest
+
+    try:
+        workload_digest(workload, None)
+    except Uncacheable:
+        return False
+    return True
