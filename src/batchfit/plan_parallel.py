@@ -3,10 +3,11 @@
 A plan fits its configurations one after another (``plan.py``), each a few traced steps on one core.
 Which configurations it will fit first is known before it starts: the first ``1 + ALTERNATIVES`` that
 pass the state-only lower bound are each fitted unless one errs, and none depends on another. So
-forked children fit all but the first while the plan's own process fits the first, and a child's
-results reach the plan through the trace cache on disk (one file per entry, replaced atomically),
-where the plan's own call for that configuration then finds them. Nothing else passes between them
-but the number of steps each child traced (``CACHE.misses`` stays the count of traced steps).
+forked children take the others in order while the plan's own process fits the first and then takes
+whichever no child has started (``FitAhead``: claims), and a child's results reach the plan through
+the trace cache on disk (one file per entry, replaced atomically), where the plan's own call for that
+configuration then finds them. Nothing else passes between them but the number of steps each child
+traced (``CACHE.misses`` stays the count of traced steps).
 
 Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, and
 more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that runs
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -60,19 +63,39 @@ def resolve_workers(workers: Any) -> int:
 
 
 class FitAhead:
-    """The children fitting configurations ahead of the plan (none where it would not pay)."""
+    """The children fitting configurations ahead of the plan (none where it would not pay).
 
-    def __init__(self) -> None:
-        self._owner: dict[int, int] = {}  # id(config) -> child pid
+    Work is shared by claims: whoever first creates a configuration's claim file (``O_EXCL``, atomic)
+    fits it, children taking the configurations in order and the plan's own process each as it reaches
+    it; a finished one gets a ``.done`` file. So the plan's process is never idle while a configuration
+    it will need is unclaimed, and no configuration is fitted twice.
+    """
+
+    def __init__(self, work: list[Any]) -> None:
+        self._index = {id(config): i for i, config in enumerate(work)}
+        self._work = work
+        self._dir: str | None = None
         self._reads: dict[int, int] = {}  # child pid -> read end of its pipe
         self._start = time.monotonic()
         self._deadline: float | None = None
         self.children = 0
 
-    def spawn(self, work: list[Any], fit_one: Any) -> None:
-        """Fork one child that calls ``fit_one(config)`` for each of ``work`` in order."""
+    def _claim(self, i: int) -> bool:
+        assert self._dir is not None
+        try:
+            fd = os.open(os.path.join(self._dir, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+
+    def spawn(self, fit_one: Any) -> None:
+        """Fork one child that claims and fits (``fit_one(config)``) configurations until none is left."""
         from .cache import CACHE
 
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="batchfit-plan-")
         read, write = os.pipe()
         try:
             with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: see the NOTE
@@ -91,37 +114,48 @@ class FitAhead:
 
                     torch.set_num_threads(1)
                 before = CACHE.misses
-                for config in work:
-                    fit_one(config)
+                for i, config in enumerate(self._work):
+                    if self._claim(i):
+                        fit_one(config)
+                        open(os.path.join(self._dir, f"{i}.done"), "wb").close()
                 os.write(write, str(CACHE.misses - before).encode())
                 code = 0
-            except BaseException:  # noqa: BLE001 - the parent fits it itself
+            except BaseException:  # noqa: BLE001 - the plan fits it itself
                 pass
             finally:
                 os._exit(code)
         os.close(write)
         self._reads[pid] = read
-        for config in work:
-            self._owner[id(config)] = pid
         self.children += 1
 
     def wait(self, config: Any) -> None:
-        """Before the plan fits ``config``: let the child fitting it finish (or stop it when overdue)."""
-        pid = self._owner.get(id(config))
-        if pid is None or pid not in self._reads:
+        """Before the plan fits ``config``: claim it, or let the child that did finish it (or stop that
+        child when it is overdue or gone without finishing; the plan then fits it itself)."""
+        i = self._index.get(id(config))
+        if i is None or self._dir is None or self._claim(i):
             return
         if self._deadline is None:  # the plan's own first configuration is done: it sets the patience
             now = time.monotonic()
             self._deadline = now + max(MIN_WAIT_S, CHILD_PATIENCE * (now - self._start))
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                self._reap(pid, os.waitstatus_to_exitcode(status) == 0)
-                return
+        claim, done = os.path.join(self._dir, str(i)), os.path.join(self._dir, f"{i}.done")
+        owner = None
+        while not os.path.exists(done):
+            if owner is None:
+                with contextlib.suppress(OSError, ValueError), open(claim, "rb") as f:
+                    owner = int(f.read() or b"0") or None
+            if owner is not None and owner in self._reads and self._exited(owner):
+                return  # it left without finishing this one
             if time.monotonic() > self._deadline:
-                self._stop(pid)
+                if owner in self._reads:
+                    self._stop(owner)
                 return
             time.sleep(0.02)
+
+    def _exited(self, pid: int) -> bool:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            self._reap(pid, os.waitstatus_to_exitcode(status) == 0)
+        return bool(done)
 
     def _reap(self, pid: int, ok: bool) -> None:
         from .cache import CACHE
@@ -140,21 +174,30 @@ class FitAhead:
         os.close(self._reads.pop(pid))
 
     def close(self) -> None:
-        """Stop every child still running (the plan ended early, or raised)."""
+        """Collect the children (by now they have nothing left to claim); stop any still running."""
+        if self._dir is not None:
+            for i in range(len(self._work)):  # nothing more for a child to start
+                self._claim(i)
+        until = time.monotonic() + 5.0
+        while self._reads and time.monotonic() < until:
+            for pid in list(self._reads):
+                self._exited(pid)
+            time.sleep(0.02)
         for pid in list(self._reads):
             self._stop(pid)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def fit_ahead(workload: Any, configs: list[Any], workers: int, fit_one: Any) -> Iterator[FitAhead]:
     """Children fitting ``configs[1:]`` (``fit_one(config)`` each) while the caller fits ``configs[0]``."""
-    ahead = FitAhead()
     rest = configs[1:]
+    ahead = FitAhead(rest)
     try:
         if workers > 1 and rest and _can_fork() and _cacheable(workload):
-            n = min(workers - 1, len(rest))
-            for i in range(n):
-                ahead.spawn(rest[i::n], fit_one)
+            for _ in range(min(workers - 1, len(rest))):
+                ahead.spawn(fit_one)
         yield ahead
     finally:
         ahead.close()
