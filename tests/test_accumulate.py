@@ -259,6 +259,7 @@ def test_gradients_sync_only_on_the_last_micro_batch() -> None:
 def test_ddp_on_a_one_process_gloo_group(monkeypatch: pytest.MonkeyPatch) -> None:
     dist = torch.distributed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ddp = trainer = None
     try:
         reduced: list[torch.Tensor] = []
         real = dist.all_reduce
@@ -280,6 +281,9 @@ def test_ddp_on_a_one_process_gloo_group(monkeypatch: pytest.MonkeyPatch) -> Non
         assert len(reduced) == 2  # [loss_sum, n_tokens], once per step
         assert reduced[0][1].item() == (batches[0][1] != IGNORE).sum().item()
     finally:
+        # DDP's reducer holds the group: gloo can deadlock destroying a group's last holder after
+        # destroy_process_group, so the reducer goes first.
+        del ddp, trainer
         dist.destroy_process_group()
 
 

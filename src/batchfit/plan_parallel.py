@@ -40,7 +40,8 @@ from .errors import ConfigError
 __all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
 
 CHILD_PATIENCE = 5.0
-"""A child may take this many times the parent's first configuration before it is stopped."""
+"""A configuration a child took may take this many times what the plan's process had spent when it
+first waited for one, before the child is stopped."""
 MIN_WAIT_S = 60.0
 """...and never less than this."""
 
