@@ -182,8 +182,10 @@ def plan(
         if _could_fit(wl, dev, config, gpus, budget):
             first.append(config)
 
-    def fit_later(config: Any) -> None:
-        _fit_config(wl, dev, config, gpus, share, margin, verify=False)
+    def fit_later(config: Any, progress: Callable[[str], None] | None = None) -> None:
+        label = ", ".join(config.remedies) or "fp32"
+        step = None if progress is None else (lambda text: progress(f"{label}: {text}"))
+        _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=step)
 
     with fit_ahead(wl, first, n_workers, fit_later) as ahead:
         if ahead.children and progress is not None:
@@ -195,7 +197,7 @@ def plan(
             label = ", ".join(config.remedies) or "fp32"
             if not _could_fit(wl, dev, config, gpus, budget):
                 continue
-            ahead.wait(config)
+            ahead.wait(config, lambda later: fit_later(later, progress))
             step = None if progress is None else (lambda text, label=label: progress(f"{label}: {text}"))
             fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
             if fitted is None:

@@ -118,7 +118,7 @@ class FitAhead:
                 for i, config in enumerate(self._work):
                     if self._claim(i):
                         fit_one(config)
-                        open(os.path.join(self._dir, f"{i}.done"), "wb").close()
+                        self._mark_done(i)
                 os.write(write, str(CACHE.misses - before).encode())
                 code = 0
             except BaseException:  # noqa: BLE001 - the plan fits it itself
@@ -129,9 +129,14 @@ class FitAhead:
         self._reads[pid] = read
         self.children += 1
 
-    def wait(self, config: Any) -> None:
+    def _mark_done(self, i: int) -> None:
+        assert self._dir is not None
+        open(os.path.join(self._dir, f"{i}.done"), "wb").close()
+
+    def wait(self, config: Any, fit_here: Any = None) -> None:
         """Before the plan fits ``config``: claim it, or let the child that did finish it (or stop that
-        child when it is overdue or gone without finishing; the plan then fits it itself)."""
+        child when it is overdue or gone without finishing; the plan then fits it itself). Meanwhile the
+        plan's process fits (``fit_here``) the last configurations no one has started, not to sit idle."""
         i = self._index.get(id(config))
         if i is None or self._dir is None or self._claim(i):
             return
@@ -139,6 +144,12 @@ class FitAhead:
             now = time.monotonic()
             self._deadline = now + max(MIN_WAIT_S, CHILD_PATIENCE * (now - self._start))
         claim, done = os.path.join(self._dir, str(i)), os.path.join(self._dir, f"{i}.done")
+        later = len(self._work) - 1
+        while fit_here is not None and later > i and not os.path.exists(done):
+            if self._claim(later):
+                fit_here(self._work[later])
+                self._mark_done(later)
+            later -= 1
         owner = None
         while not os.path.exists(done):
             if owner is None:
