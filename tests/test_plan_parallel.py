@@ -71,6 +71,19 @@ def test_a_child_that_fails_leaves_its_configurations_to_the_plan(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fitting ahead forks")
+def test_the_plan_fits_the_last_configurations_while_a_child_is_busy(
+    serial: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One child, slow to start: the plan's process does its first configuration, finds the second
+    taken, and fits the last ones itself (their traced steps appear in its progress) instead of waiting."""
+    _in_children_only(monkeypatch, lambda: time.sleep(2))
+    plan, traced, lines = _plan(tmp_path, monkeypatch, workers=2)
+    assert (plan, traced) == serial[:2]
+    first = serial[2][0].split(":")[0]
+    assert {line.split(":")[0] for line in lines[1:]} - {first}, lines
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fitting ahead forks")
 def test_a_child_that_hangs_is_stopped_and_the_plan_fits_its_configurations(
     serial: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
