@@ -4,14 +4,14 @@ A plan fits its configurations one after another (``plan.py``), each a few trace
 Which configurations it will fit first is known before it starts: the first ``1 + ALTERNATIVES`` that
 pass the state-only lower bound are each fitted unless one errs, and none depends on another. So
 forked children take the others in order while the plan's own process fits the first and then takes
-whichever no child has started (``FitAhead``: claims), and a child's results reach the plan through
+whichever no child has started, the last first (``FitAhead``: claims), and a child's results reach the plan through
 the trace cache on disk (one file per entry, replaced atomically), where the plan's own call for that
 configuration then finds them. Nothing else passes between them but the number of steps each child
 traced (``CACHE.misses`` stays the count of traced steps).
 
 Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, and
-more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that runs
-past ``CHILD_PATIENCE`` times what the plan's own first configuration took (at least ``MIN_WAIT_S``),
+more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that keeps
+the plan waiting ``CHILD_PATIENCE`` times what the plan's own process has spent (at least ``MIN_WAIT_S``),
 is stopped and the plan fits that configuration itself: a child can save time, never change an answer.
 
 NOTE [ Forking a process that has threads ]
@@ -40,8 +40,8 @@ from .errors import ConfigError
 __all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
 
 CHILD_PATIENCE = 5.0
-"""A configuration a child took may take this many times what the plan's process had spent when it
-first waited for one, before the child is stopped."""
+"""The plan waits for a child's configuration this many times what its own process has spent so far
+before it stops the child and fits the configuration itself."""
 MIN_WAIT_S = 60.0
 """...and never less than this."""
 
@@ -78,7 +78,6 @@ class FitAhead:
         self._dir: str | None = None
         self._reads: dict[int, int] = {}  # child pid -> read end of its pipe
         self._start = time.monotonic()
-        self._deadline: float | None = None
         self.children = 0
 
     def _claim(self, i: int) -> bool:
@@ -140,9 +139,6 @@ class FitAhead:
         i = self._index.get(id(config))
         if i is None or self._dir is None or self._claim(i):
             return
-        if self._deadline is None:  # the plan's own first configuration is done: it sets the patience
-            now = time.monotonic()
-            self._deadline = now + max(MIN_WAIT_S, CHILD_PATIENCE * (now - self._start))
         claim, done = os.path.join(self._dir, str(i)), os.path.join(self._dir, f"{i}.done")
         later = len(self._work) - 1
         while fit_here is not None and later > i and not os.path.exists(done):
@@ -150,6 +146,8 @@ class FitAhead:
                 fit_here(self._work[later])
                 self._mark_done(later)
             later -= 1
+        now = time.monotonic()  # the patience: a multiple of what the plan's process has spent so far
+        deadline = now + max(MIN_WAIT_S, CHILD_PATIENCE * (now - self._start))
         owner = None
         while not os.path.exists(done):
             if owner is None:
@@ -157,7 +155,7 @@ class FitAhead:
                     owner = int(f.read() or b"0") or None
             if owner is not None and owner in self._reads and self._exited(owner):
                 return  # it left without finishing this one
-            if time.monotonic() > self._deadline:
+            if time.monotonic() > deadline:
                 if owner in self._reads:
                     self._stop(owner)
                 return
