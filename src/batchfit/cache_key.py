@@ -37,7 +37,7 @@ from typing import Any
 # torch and transformers. All of it goes into the key; anything that cannot be described (an object
 # with no stable description) makes the workload uncacheable rather than risk a stale answer.
 
-_FORMAT = 2
+_FORMAT = 3
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
 _SIMPLE = (int, float, bool, str, bytes, type(None), complex)
 
