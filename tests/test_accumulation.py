@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 
 import batchfit
 from batchfit import presets
@@ -18,6 +19,7 @@ from batchfit.memory.estimate import (
     _as_workload,
     _trace_for_device,
     finish_estimate,
+    trace_for_device,
     with_accumulation,
 )
 from batchfit.memory.tracer import MemoryTrace
@@ -148,3 +150,30 @@ def test_a_lifetime_it_does_not_model_leaves_the_step_to_a_real_trace() -> None:
     assert (
         accumulating_trace(dataclasses.replace(plain, grads=[(index, None, copied, made_in), *plain.grads[1:]])) is None
     )
+
+
+class _ConcatenatedParameter(torch.nn.Module):
+    """A learned row concatenated with activations: backward hands the parameter a view of the
+    concatenation's gradient, which lives as long as the other branch needs its part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.zeros(1, 64))
+        self.body = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.extra, self.body(x)], 0)
+        return self.head(torch.tanh(h))[1:]
+
+
+def test_a_gradient_kept_as_a_view_of_a_larger_buffer_is_traced_for_real() -> None:
+    wl = batchfit.Workload(
+        model=_ConcatenatedParameter,
+        batch=lambda b: (torch.randn(b, 64), torch.randint(0, 3, (b,))),
+        loss=lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1]),
+    )
+    plain, real, policy, _ = _traces(wl)
+    assert accumulating_trace(plain) is None
+    traced = trace_for_device(with_accumulation(wl, 2), 2, A100, policy, ())
+    assert canonical(traced) == canonical(real)

@@ -19,9 +19,10 @@ with three differences, all readable from the plain trace:
 
 The plain trace's other lifetimes must be of the kinds this models (freed within the micro-batch, a
 gradient, kept until the next micro-batch or the end, or never freed); anything else (a gradient that
-is not dense, a storage of one step freed by the optimizer, a free of something made elsewhere) makes
-``accumulating_trace`` return None, and the step is traced for real. ``tests/test_accumulation.py``
-compares the result with a real trace of the accumulating step, event for event, across the zoo.
+is not dense or is a view of a larger buffer, a storage of one step freed by the optimizer, a free of
+something made elsewhere) makes ``accumulating_trace`` return None, and the step is traced for real.
+``tests/test_accumulation.py`` compares the result with a real trace of the accumulating step, event
+for event, across the zoo.
 
 Used for GPU targets only: on the CPU the trace measures real kernels' scratch, and the in-place add
 of micro-batch 2 is a kernel the plain step never ran. A model whose sizes depend on the batch's
@@ -183,7 +184,7 @@ def _handed_over(plain: MemoryTrace, second: _Step, born: dict[int, int]) -> lis
     """The second step's gradient hand-overs whose gradient is born in its micro-batch (kept ones,
     ``zero_grad(set_to_none=False)``, exist already and are added into in place), in timeline order."""
     if any(sid is None for _, sid, _, _ in plain.grads):
-        raise _NotModelled  # a sparse gradient's accumulation makes new storages
+        raise _NotModelled  # sparse (its accumulation makes new storages), or a view of a larger buffer
     out = []
     for index, sid, copied, made_in in plain.grads:
         if second.start <= index <= second.optimizer and born.get(sid, -1) >= second.start:

@@ -55,7 +55,8 @@ class MemoryTrace:
     ``step``) and storages shared by several tensors are absent: FSDP keeps them whole."""
     grads: list[tuple[int, int | None, bool, str]] = field(default_factory=list)
     """``(event_index, sid, copied, made_in)`` each time backward put a gradient into a parameter's
-    ``.grad``: where on the timeline, the gradient's storage (None: not a dense tensor), whether
+    ``.grad``: where on the timeline, the gradient's storage (None: not a dense tensor alone in its
+    storage), whether
     autograd copied it into a new storage there rather than keeping the backward op's own output, and
     the module whose backward made it (``module`` names the parameter's). What a second micro-batch
     does differently is decided by these (``memory/accumulation.py``)."""
@@ -252,7 +253,13 @@ class Tracer:
             # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
             node = torch._C._current_autograd_node()
             copied = sid == tracker._next_id - 1 and node is not None and tracker._born_in.get(sid) == id(node)
-            dense = p.grad.layout == torch.strided and sid is not None
+            # Dense and alone in its storage: a gradient kept as a view of a larger backward buffer
+            # (a parameter concatenated with activations) frees with the buffer, not at hand-over.
+            dense = (
+                sid is not None
+                and p.grad.layout == torch.strided
+                and p.grad.untyped_storage().nbytes() == p.grad.numel() * p.grad.element_size()
+            )
             made_in = self.trace.module.get(sid, OUTSIDE) if sid is not None else OUTSIDE
             self.trace.grads.append((len(self.trace.events), sid if dense else None, copied, made_in))
             self._roles.mark(sid, Category.GRADIENTS)
