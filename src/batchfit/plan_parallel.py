@@ -4,22 +4,24 @@ A plan fits its configurations one after another (``plan.py``), each a few trace
 Which configurations it will fit first is known before it starts: the first ``1 + ALTERNATIVES`` that
 pass the state-only lower bound are each fitted unless one errs, and none depends on another. So
 forked children take the others in order while the plan's own process fits the first and then takes
-whichever no child has started, the last first (``FitAhead``: claims), and a child's results reach the plan through
-the trace cache on disk (one file per entry, replaced atomically), where the plan's own call for that
-configuration then finds them. Nothing else passes between them but the number of steps each child
-traced (``CACHE.misses`` stays the count of traced steps).
+whichever no child has started, the last first (``FitAhead``: claims), and a child's results reach
+the plan through the trace cache on disk (one file per entry, replaced atomically), where the plan's
+own call for that configuration then finds them. Nothing else passes between them but the number of steps each child
+traced, added to ``CACHE.misses`` (a child stopped early reports none).
 
 Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, and
 more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that keeps
-the plan waiting ``CHILD_PATIENCE`` times what the plan's own process has spent (at least ``MIN_WAIT_S``),
-is stopped and the plan fits that configuration itself: a child can save time, never change an answer.
+the plan waiting ``CHILD_PATIENCE`` times what the plan's process took for its first configuration (at
+least ``MIN_WAIT_S``), is stopped with the other children, and the plan fits what is left itself: a
+child can save time, never change an answer. Children die with the plan's process (``PR_SET_PDEATHSIG``).
 
 NOTE [ Forking a process that has threads ]
 Only the forking thread exists in the child; a lock another thread held at the fork stays held there.
-The child touches none of the parent's threads' objects (no progress display, no output: it leaves with
-``os._exit``), and the interpreter re-creates its own locks after a fork; what is left is a lock inside a
-library some other thread of the user's held at that instant, which would hang the child. The patience
-above bounds what that costs: the plan stops the child and does the work itself.
+The child touches none of the parent's threads' objects (no progress display, nothing of its own on
+the output: it leaves with ``os._exit``), and the interpreter re-creates its own locks after a fork;
+what is left is a lock inside a library some other thread of the user's held at that instant, which
+would hang the child. The patience above bounds what that costs: the plan stops the children and does
+the work itself.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from .errors import ConfigError
 __all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
 
 CHILD_PATIENCE = 5.0
-"""The plan waits for a child's configuration this many times what its own process has spent so far
-before it stops the child and fits the configuration itself."""
+"""The plan waits for a child's configuration this many times what its own first configuration took
+before it stops the children and fits what is left itself."""
 MIN_WAIT_S = 60.0
 """...and never less than this."""
 
@@ -78,6 +80,7 @@ class FitAhead:
         self._dir: str | None = None
         self._reads: dict[int, int] = {}  # child pid -> read end of its pipe
         self._start = time.monotonic()
+        self._own: float | None = None
         self.children = 0
 
     def _claim(self, i: int) -> bool:
@@ -86,17 +89,25 @@ class FitAhead:
             fd = os.open(os.path.join(self._dir, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        except OSError:  # a full disk: the claim stands, its owner is unknown (waited for until patience ends)
+            pass
+        finally:
+            os.close(fd)
         return True
 
     def spawn(self, fit_one: Any) -> None:
         """Fork one child that claims and fits (``fit_one(config)``) configurations until none is left."""
         from .cache import CACHE
 
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="batchfit-plan-")
-        read, write = os.pipe()
+        parent = os.getpid()
+        try:
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="batchfit-plan-")
+            read, write = os.pipe()
+        except OSError:  # no temporary directory or descriptors: the plan fits everything itself
+            return
         try:
             with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: see the NOTE
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -109,10 +120,7 @@ class FitAhead:
             code = 1
             try:
                 os.close(read)
-                with contextlib.suppress(Exception):
-                    import torch
-
-                    torch.set_num_threads(1)
+                _die_with(parent)
                 before = CACHE.misses
                 for i, config in enumerate(self._work):
                     if self._claim(i):
@@ -130,7 +138,8 @@ class FitAhead:
 
     def _mark_done(self, i: int) -> None:
         assert self._dir is not None
-        open(os.path.join(self._dir, f"{i}.done"), "wb").close()
+        with contextlib.suppress(OSError):  # unmarked, the plan waits for patience, then fits it itself
+            open(os.path.join(self._dir, f"{i}.done"), "wb").close()
 
     def wait(self, config: Any, fit_here: Any = None) -> None:
         """Before the plan fits ``config``: claim it, or let the child that did finish it (or stop that
@@ -139,6 +148,8 @@ class FitAhead:
         i = self._index.get(id(config))
         if i is None or self._dir is None or self._claim(i):
             return
+        if self._own is None:  # what the plan's process took for its first configuration: the patience
+            self._own = time.monotonic() - self._start
         claim, done = os.path.join(self._dir, str(i)), os.path.join(self._dir, f"{i}.done")
         later = len(self._work) - 1
         while fit_here is not None and later > i and not os.path.exists(done):
@@ -146,23 +157,27 @@ class FitAhead:
                 fit_here(self._work[later])
                 self._mark_done(later)
             later -= 1
-        now = time.monotonic()  # the patience: a multiple of what the plan's process has spent so far
-        deadline = now + max(MIN_WAIT_S, CHILD_PATIENCE * (now - self._start))
+        deadline = time.monotonic() + max(MIN_WAIT_S, CHILD_PATIENCE * self._own)
         owner = None
         while not os.path.exists(done):
             if owner is None:
                 with contextlib.suppress(OSError, ValueError), open(claim, "rb") as f:
                     owner = int(f.read() or b"0") or None
-            if owner is not None and owner in self._reads and self._exited(owner):
-                return  # it left without finishing this one
-            if time.monotonic() > deadline:
-                if owner in self._reads:
-                    self._stop(owner)
+            if owner is not None and (owner == os.getpid() or owner not in self._reads or self._exited(owner)):
+                return  # the plan's own claim, or a child gone (left, stopped) without finishing this one
+            if owner is None and not self._reads:
+                return  # no child left to finish it
+            if time.monotonic() > deadline:  # forked at one instant, the others likely hang on the same lock
+                for pid in list(self._reads):
+                    self._stop(pid)
                 return
             time.sleep(0.02)
 
     def _exited(self, pid: int) -> bool:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored, another reaper): its count is lost
+            done, status = pid, 1 << 8
         if done:
             self._reap(pid, os.waitstatus_to_exitcode(status) == 0)
         return bool(done)
@@ -214,9 +229,29 @@ def fit_ahead(workload: Any, configs: list[Any], workers: int, fit_one: Any) -> 
 
 
 def _can_fork() -> bool:
+    """Linux, and a disk cache that can be written (the only way a child's answer comes back)."""
     from .cache import CACHE, cache_dir
 
-    return sys.platform.startswith("linux") and hasattr(os, "fork") and CACHE.enabled and cache_dir() is not None
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork") and CACHE.enabled):
+        return False
+    root = cache_dir()
+    if root is None:
+        return False
+    try:
+        (root / "traces").mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(root / "traces", os.W_OK)
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel stop this child when the plan's process dies (Linux ``PR_SET_PDEATHSIG``)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # it died before the request was made
+        os._exit(1)
 
 
 def _cacheable(workload: Any) -> bool:
