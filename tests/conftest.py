@@ -20,34 +20,18 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The trace cache on disk lives in this session's temporary directory, never the user's."""
-    import os
-
-    saved = os.environ.get("BATCHFIT_CACHE_DIR")
-    os.environ["BATCHFIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("trace-cache"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHFIT_CACHE_DIR", str(tmp_path_factory.mktemp("trace-cache")))
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("BATCHFIT_CACHE_DIR", None)
-        else:
-            os.environ["BATCHFIT_CACHE_DIR"] = saved
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _plans_fit_one_configuration_at_a_time() -> Iterator[None]:
     """Plans do not fork (``plan_parallel.py``) except where a test asks: two xdist workers already fill
     the machine, and tests count the steps a plan traces and the progress lines it shows."""
-    import os
-
-    saved = os.environ.get("BATCHFIT_WORKERS")
-    os.environ["BATCHFIT_WORKERS"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHFIT_WORKERS", "1")
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("BATCHFIT_WORKERS", None)
-        else:
-            os.environ["BATCHFIT_WORKERS"] = saved
 
 
 @pytest.fixture(autouse=True)

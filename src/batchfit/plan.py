@@ -182,10 +182,13 @@ def plan(
         if _could_fit(wl, dev, config, gpus, budget):
             first.append(config)
 
-    def fit_later(config: Any, progress: Callable[[str], None] | None = None) -> None:
+    def labelled(config: Any, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
+        """``progress`` with each line prefixed by the configuration's remedies."""
         label = ", ".join(config.remedies) or "fp32"
-        step = None if progress is None else (lambda text: progress(f"{label}: {text}"))
-        _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=step)
+        return None if progress is None else (lambda text: progress(f"{label}: {text}"))
+
+    def fit_later(config: Any, progress: Callable[[str], None] | None = None) -> None:
+        _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=labelled(config, progress))
 
     with fit_ahead(wl, first, n_workers, fit_later) as ahead:
         if ahead.children and progress is not None:
@@ -194,11 +197,10 @@ def plan(
         for config in configs:
             if chosen is not None and len(options) > ALTERNATIVES:
                 break
-            label = ", ".join(config.remedies) or "fp32"
             if not _could_fit(wl, dev, config, gpus, budget):
                 continue
             ahead.wait(config, lambda later: fit_later(later, progress))
-            step = None if progress is None else (lambda text, label=label: progress(f"{label}: {text}"))
+            step = labelled(config, progress)
             fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
             if fitted is None:
                 continue

@@ -273,7 +273,7 @@ def trace_for_device(
     just before a step is traced (not when the cache has it: a progress display names real work)."""
     import dataclasses
 
-    from ..cache import CACHE, Uncacheable, trace_key
+    from ..cache import CACHE
 
     if workload.accumulation_steps > 1 and not device.exact:  # the plain step's, a second micro-batch written in
         from .accumulation import accumulating_trace
@@ -283,10 +283,7 @@ def trace_for_device(
         if accumulating is not None:
             return accumulating
     notes: list[str] = []
-    try:
-        key: str | None = trace_key(workload, batch_size, device, policy, classes)
-    except Uncacheable:
-        key = None
+    key = _cache_key(workload, batch_size, device, policy, classes)
     cached = CACHE.get(key, notes) if key is not None else None
     if cached is not None:
         return cached
@@ -302,13 +299,20 @@ def cached_trace(
     workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace | None:
     """The trace the cache holds of this step, or None: never traces (a guess may use what is known)."""
-    from ..cache import CACHE, Uncacheable, trace_key
+    from ..cache import CACHE
+
+    key = _cache_key(workload, batch_size, device, policy, classes)
+    return None if key is None else CACHE.get(key, [], count=False)
+
+
+def _cache_key(workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]) -> str | None:
+    """The trace cache's key of this step (None: the workload cannot be described, so is not cached)."""
+    from ..cache import Uncacheable, trace_key
 
     try:
-        key = trace_key(workload, batch_size, device, policy, classes)
+        return trace_key(workload, batch_size, device, policy, classes)
     except Uncacheable:
         return None
-    return CACHE.get(key, [], count=False)
 
 
 def _trace_for_device(

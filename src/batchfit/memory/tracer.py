@@ -56,10 +56,9 @@ class MemoryTrace:
     grads: list[tuple[int, int | None, bool, str]] = field(default_factory=list)
     """``(event_index, sid, copied, made_in)`` each time backward put a gradient into a parameter's
     ``.grad``: where on the timeline, the gradient's storage (None: not a dense tensor alone in its
-    storage), whether
-    autograd copied it into a new storage there rather than keeping the backward op's own output, and
-    the module whose backward made it (``module`` names the parameter's). What a second micro-batch
-    does differently is decided by these (``memory/accumulation.py``)."""
+    storage), whether autograd copied it into a new storage there rather than keeping the backward op's
+    own output, and the module whose backward made it (``module`` names the parameter's). What a second
+    micro-batch does differently is decided by these (``memory/accumulation.py``)."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
         """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
