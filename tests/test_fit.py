@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -250,3 +251,20 @@ def test_fit_result_to_dict_is_json() -> None:
     assert d["capacity_bytes"] == result.capacity_bytes
     assert d["estimate"]["batch_size"] == result.max_batch_size
     assert [a["batch_size"] for a in d["attempts"]] == [a.batch_size for a in result.attempts]
+
+
+def test_a_plan_where_nothing_fits_and_one_item_cannot_run_says_two_items() -> None:
+    import batchfit
+
+    # More than two items' worth of memory in any configuration the plan has: nothing fits.
+    device = with_total("1GiB", estimate(BN_HEAD, 2, device="1GiB", precision="bf16-true").device_total_bytes - 1)
+    with pytest.raises(DoesNotFitError) as info:
+        batchfit.plan(BN_HEAD, 8, device=device)
+    message = str(info.value)
+    assert "\n" not in message
+    why = r"even with two items per GPU \(tried: .*; a step of one item cannot run: .*value per channel"
+    assert re.search(why, message), message
+    gpt_device = with_total("1GiB", estimate(GPT, 1, device="1GiB", precision="bf16-true").device_total_bytes - 1)
+    with pytest.raises(DoesNotFitError) as info:
+        batchfit.plan(GPT, 8, device=gpt_device)
+    assert "even with one item per GPU" in str(info.value) and "cannot run" not in str(info.value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .devices import Device, catalog
-from .errors import DoesNotFitError
+from .errors import DoesNotFitError, TraceError
 from .fit import fit
 from .plan_ladder import _Config
 
@@ -54,10 +54,23 @@ def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> Does
         remedies += [name for name in rung.remedies if name not in remedies]
     tried = ", ".join(["accumulation alone", *remedies])
     hint = " or ".join(where) if where else "no catalog GPU or GPU count up to 64"
+    items, why = _fewest_items(wl, dev, rungs[-1])
     return DoesNotFitError(
-        f"{wl.name} does not fit on {gpus} x {dev.name} even with one item per GPU (tried: {tried}); "
+        f"{wl.name} does not fit on {gpus} x {dev.name} even with {items} per GPU (tried: {tried}{why}); "
         f"it would fit on {hint}"
     )
+
+
+def _fewest_items(wl: Any, dev: Device, rung: _Config) -> tuple[str, str]:
+    """"one item", or "two items" and why when a step of one item cannot run at all (BatchNorm after a
+    global pooling needs two values per channel): the fits then tried two, and the message says so."""
+    from .plan_options import fit_estimate_at
+
+    try:
+        fit_estimate_at(wl, dev, rung.precision, rung.checkpointing, False, gpus=1, batch_size=1)
+    except TraceError as e:
+        return "two items", f"; a step of one item cannot run: {e}"
+    return "one item", ""
 
 
 def describe_split(splits: list[list[int]]) -> str:
