@@ -149,3 +149,55 @@ def test_a_repeated_plan_traces_nothing_and_replays_no_allocator(monkeypatch: py
     assert _misses(lambda: batchfit.plan(wl, 100, device="410MiB")) == 0
     assert replays == []
     assert batchfit.plan(wl, 100, device="410MiB").to_dict() == first.to_dict()
+
+
+WIDTH = 16
+"""A module-level value a workload's factory reads (set from argv, an environment variable or a notebook)."""
+
+
+def test_a_changed_module_level_value_the_factory_reads_is_a_new_trace() -> None:
+    global WIDTH
+    wl = batchfit.Workload(model=lambda: nn.Sequential(nn.Linear(8, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 2)),
+                           batch=lambda b: (torch.randn(b, 8), torch.zeros(b).long()),
+                           loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]))  # fmt: skip
+    saved = WIDTH
+    try:
+        narrow = _estimate(wl)
+        WIDTH = 4096
+        assert _misses(lambda: _estimate(wl)) == 1
+        wide = _estimate(wl)
+        with batchfit.cache.no_cache():
+            assert wide == _estimate(wl)
+        assert wide.breakdown["parameters"] > narrow.breakdown["parameters"]
+        WIDTH = saved
+        assert _misses(lambda: _estimate(wl)) == 0  # the same value again: the same key
+    finally:
+        WIDTH = saved
+
+
+LOOKUP = torch.arange(4)
+"""A module-level tensor: its values have no stable description."""
+
+
+def test_a_module_level_tensor_the_batch_function_reads_makes_the_workload_uncacheable() -> None:
+    wl = batchfit.Workload(model=lambda: nn.Linear(4, 2),
+                           batch=lambda b: (LOOKUP.float().expand(b, 4), torch.zeros(b).long()),
+                           loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]))  # fmt: skip
+    assert _misses(lambda: _estimate(wl)) == 0  # no key: traced every time, never a stale answer
+
+
+SIZES = {"hidden": 16}
+"""A module-level dict the factory reads, changed in place."""
+
+
+def test_a_module_level_dict_changed_in_place_is_a_new_trace() -> None:
+    wl = batchfit.Workload(model=lambda: nn.Sequential(nn.Linear(8, SIZES["hidden"]), nn.Linear(SIZES["hidden"], 2)),
+                           batch=lambda b: (torch.randn(b, 8), torch.zeros(b).long()),
+                           loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]))  # fmt: skip
+    try:
+        narrow = _estimate(wl)
+        SIZES["hidden"] = 1024
+        assert _misses(lambda: _estimate(wl)) == 1
+        assert _estimate(wl).breakdown["parameters"] > narrow.breakdown["parameters"]
+    finally:
+        SIZES["hidden"] = 16

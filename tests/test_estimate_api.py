@@ -181,6 +181,7 @@ def test_sparse_gradients_are_one_error_naming_the_dense_upper_bound(device: str
     with pytest.raises(batchfit.TraceError) as info:
         batchfit.estimate(wl, 2, device=device)
     assert "sparse=False" in str(info.value) and "\n" not in str(info.value)
+    assert info.value.__cause__ is not info.value  # not its own cause: a walk down the chain ends
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])

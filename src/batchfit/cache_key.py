@@ -31,7 +31,8 @@ from typing import Any
 # A trace is a function of: the model (its modules' classes and the code of their methods, every
 # parameter's and buffer's shape, dtype and trainability, the simple attributes that steer a forward,
 # such as a dropout rate or a head count), the batch function, the loss and the optimizer (their code,
-# and the values their closures and ``functools.partial`` arguments hold), the batch size, the
+# and the values their closures, ``functools.partial`` arguments and the module-level names they read
+# hold: a width set from argv or in a notebook cell is a new key when it changes), the batch size, the
 # precision, the checkpointed classes, the accumulation count, the zero-grad mode, the device's kernel
 # model (cuBLAS workspaces, CPU thread count and machine for CPU kernels), and the versions of batchfit,
 # torch and transformers. All of it goes into the key; anything that cannot be described (an object
@@ -101,15 +102,76 @@ def _function(fn: types.FunctionType, seen: set[int]) -> list[Any]:
     parts.append(_describe(fn.__kwdefaults__, seen))
     for cell in fn.__closure__ or ():
         try:
-            parts.append(_describe(cell.cell_contents, seen))
+            contents = cell.cell_contents
         except ValueError:  # an empty cell
             parts.append("<empty>")
-    # Functions and classes of the user's own code that this one calls by name (helpers, blocks).
-    for name in fn.__code__.co_names:
-        value = fn.__globals__.get(name)
-        if isinstance(value, (types.FunctionType, type)) and not _is_library(value):
-            parts.append((name, _describe(value, seen)))
+            continue
+        parts.append(_watched(lambda c=cell: c.cell_contents, contents, _describe(contents, seen)))
+    # The module-level names it reads: the user's helpers and classes by their code, values (a width
+    # read from argv or set in a notebook cell) by their contents; library code by its version.
+    for name in _global_names(fn.__code__):
+        if name not in fn.__globals__:
+            continue  # a builtin
+        value = fn.__globals__[name]
+        if isinstance(value, types.ModuleType) or (callable(value) and _is_library(value)):
+            continue
+        read = functools.partial(fn.__globals__.get, name, _GONE)
+        parts.append((name, _watched(read, value, _global_value(value, seen))))
     return parts
+
+
+_GONE = object()
+_WATCH: list[tuple[Callable[[], Any], Any, Any]] | None = None
+"""While a workload's digest is computed: every variable it read (a global, a closure's cell), so that
+the digest kept for the workload object is used again only while they hold what they held."""
+
+
+def _watched(read: Callable[[], Any], value: Any, description: Any) -> Any:
+    """``description``, with ``read`` remembered for the digest's memo: the variable's value by identity,
+    and a mutable one (a config dict, a dataclass) by its description as well."""
+    import torch
+
+    if _WATCH is not None:
+        immutable = isinstance(value, (*_SIMPLE, types.FunctionType, type, torch.nn.Module, functools.partial))
+        _WATCH.append((read, value, None if immutable else description))
+    return description
+
+
+def _unchanged(watch: tuple[tuple[Callable[[], Any], Any, Any], ...]) -> bool:
+    for read, value, description in watch:
+        try:
+            now = read()
+            if now is not value or (description is not None and _describe(now) != description):
+                return False
+        except (ValueError, Uncacheable):  # a cell emptied; a value that no longer has a description
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names ``code`` and the code nested in it (lambdas, comprehensions) load; attribute
+    names (``self.weight``) are not globals and do not count."""
+    import dis
+
+    names: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str):
+            names.add(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(names))
+
+
+def _global_value(value: Any, seen: set[int]) -> Any:
+    """A global's description; a model instance by its structure (what a batch function reading its
+    config depends on), anything indescribable (a tensor, an open file) makes the workload uncacheable."""
+    import torch
+
+    if isinstance(value, torch.nn.Module):
+        return describe_model(value)
+    return _describe(value, seen)
 
 
 def _class(cls: type, seen: set[int]) -> list[Any]:
@@ -269,31 +331,37 @@ def workload_digest(workload: Any, param_dtype: Any) -> str:
     Raises:
         Uncacheable: some part has no stable description.
     """
+    global _WATCH
     key = (id(workload), str(param_dtype))
     memo = _WORKLOAD_MEMO.get(key)
-    if memo is not None and memo[0]() is workload:
+    if memo is not None and memo[0]() is workload and _unchanged(memo[2]):
         return memo[1]
-    try:  # the factory's code and arguments: no model to build
-        model_part = ("factory", _describe(workload.model), str(param_dtype))
-    except Uncacheable:  # an instance, or a factory closing over something indescribable
-        model_part = describe_model(_structure(workload, param_dtype))
-    parts = (
-        model_part,
-        _describe(workload.batch),
-        _describe(workload.loss),
-        _describe(workload.optimizer),
-        bool(workload.set_grads_to_none),
-        _describe(getattr(workload, "items", None)),
-    )
+    outer, _WATCH = _WATCH, []
+    try:
+        try:  # the factory's code and arguments: no model to build
+            model_part = ("factory", _describe(workload.model), str(param_dtype))
+        except Uncacheable:  # an instance, or a factory closing over something indescribable
+            model_part = describe_model(_structure(workload, param_dtype))
+        parts = (
+            model_part,
+            _describe(workload.batch),
+            _describe(workload.loss),
+            _describe(workload.optimizer),
+            bool(workload.set_grads_to_none),
+            _describe(getattr(workload, "items", None)),
+        )
+        watch = tuple(_WATCH)
+    finally:
+        _WATCH = outer
     digest = _digest(parts)
     try:
-        _WORKLOAD_MEMO[key] = (weakref.ref(workload), digest)
+        _WORKLOAD_MEMO[key] = (weakref.ref(workload), digest, watch)
     except TypeError:  # not weak-referenceable: recompute next time
         pass
     return digest
 
 
-_WORKLOAD_MEMO: dict[tuple[int, str], tuple[Callable[[], Any], str]] = {}
+_WORKLOAD_MEMO: dict[tuple[int, str], tuple[Callable[[], Any], str, tuple[Any, ...]]] = {}
 
 
 def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes: tuple[type, ...]) -> str:

@@ -153,7 +153,10 @@ def _trace_steps(
                 steps=steps,
             )
     except Exception as e:
-        raise step_failure(e, tracer) from e
+        failure = step_failure(e, tracer)
+        if failure is e:  # already batchfit's own error: as it is (not its own cause)
+            raise
+        raise failure from e
     if kernels is not None:
         kernels.finish(tracer.trace)
     trace = tracer.trace
