@@ -193,3 +193,12 @@ def test_bad_batch_size(bad) -> None:
 def test_bf16_on_a_gpu_without_it_names_fp16() -> None:
     with pytest.raises(ConfigError, match="fp16"):
         batchfit.estimate("mlp", 2, device="V100-16GB", precision="bf16")
+
+
+@pytest.mark.parametrize("name", ["NAdam", "RAdam", "AdamW", "Adamax", "ASGD", "Rprop", "Adagrad"])
+def test_every_torch_optimizer_steps_on_a_gpu_with_its_step_counters_known(name: str) -> None:
+    """A GPU runs the multi-tensor (foreach) kernels, which bump the step counters in place and return
+    nothing: their values stay known (NAdam divides by ``1 - mu_product``; read as 1, it raised)."""
+    wl = _frozen_workload(optimizer=lambda ps: getattr(torch.optim, name)(ps, lr=1e-3))
+    est = batchfit.estimate(wl, 4, device="A100-80GB")
+    assert not [n for n in est.notes if "assumed" in n], est.notes

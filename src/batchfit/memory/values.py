@@ -270,7 +270,13 @@ class ValueMode(TorchDispatchMode):
                     return
         mutable, aliasing = _kind(func)
         if mutable:
-            for t in _written(func, args, kwargs):
+            written = _written(func, args, kwargs)
+            # An in-place op that returns nothing (the optimizers' ``_foreach_add_`` on their step
+            # counters): computed on the shadows, which it updates in place, when every input is known.
+            if not outs and written and all(t.numel() <= limit for t in written):
+                if self._real_call(func, args, kwargs) is not None:
+                    return
+            for t in written:
                 forget(t)
         if aliasing:  # a view of a shadowed input that was not computed: its storage's value is unknown
             for t in outs:
