@@ -14,8 +14,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from batchfit import ConfigError, DoesNotFitError, estimate, get_device, presets
+from batchfit import ConfigError, DoesNotFitError, TraceError, Workload, estimate, get_device, presets
 from batchfit.batching import make_splits, rank_shares, split_share
 from batchfit.devices import Device
 from batchfit.fit import fit
@@ -342,3 +344,41 @@ def test_progress_announces_every_step_a_cold_plan_traces(tmp_path: Path, monkey
     assert (p.micro_batch_size, p.accumulation_steps) == (64, 1)
     assert "fp32: tracing a step of 64 items" in lines
     assert len(lines) == CACHE.misses - misses == 10
+
+
+class _MixedScatter(nn.Module):
+    """Under autocast its scatter gets a bf16 buffer and fp32 values (softmax runs in fp32): the step fails
+    in mixed precision, as it would on a GPU, and runs in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        vals, idx = logits.topk(2, -1)
+        return self.head(torch.zeros_like(logits).scatter(-1, idx, vals.softmax(-1)) * logits)
+
+
+def test_a_configuration_whose_step_fails_is_left_out_and_named_not_the_end_of_the_plan() -> None:
+    wl = Workload(model=_MixedScatter, batch=lambda b: (torch.randn(b, 16), torch.randint(0, 2, (b,))),
+                  loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), name="mixed-scatter")  # fmt: skip
+    with pytest.raises(TraceError, match="scatter"):
+        estimate(wl, 4, device="A100-80GB", precision="bf16")
+    p = plan(wl, 24, device="A100-80GB", gpus=2)
+    assert p.precision == "fp32" and p.micro_batch_size == 12
+    assert all("bf16 autocast" not in a.remedies for a in p.alternatives)
+    left_out = [w for w in p.warnings if w.startswith("not considered: bf16 autocast")]
+    assert left_out and all("scatter" in w for w in left_out), p.warnings
+    # The step as asked (the plan's first configuration) failing is the plan's error.
+    with pytest.raises(TraceError, match="scatter"):
+        plan(wl, 24, device="A100-80GB", gpus=2, precision="bf16")
+
+
+def test_a_failing_meta_kernel_is_one_error_without_torchs_logged_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    wl = Workload(model=_MixedScatter, batch=lambda b: (torch.randn(b, 16), torch.randint(0, 2, (b,))),
+                  loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), name="mixed-scatter")  # fmt: skip
+    with caplog.at_level("ERROR"), pytest.raises(TraceError):
+        estimate(wl, 3, device="A100-80GB", precision="bf16")
+    assert not [r for r in caplog.records if r.name.startswith("torch")], caplog.text

@@ -14,6 +14,7 @@ This module checks the request and assembles the ``Plan``; the configurations it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 from .batching import make_splits, rank_shares
 from .devices import Device, get_device
-from .errors import ConfigError
+from .errors import ConfigError, TraceError
 from .memory.estimate import Estimate, _as_workload
 from .plan_ladder import _ladder
 from .plan_messages import _nothing_fits, _warnings, describe_split
@@ -188,7 +189,13 @@ def plan(
         return None if progress is None else (lambda text: progress(f"{label}: {text}"))
 
     def fit_later(config: Any, progress: Callable[[str], None] | None = None) -> None:
-        _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=labelled(config, progress))
+        with contextlib.suppress(TraceError):  # raised again, and reported, when the loop reaches it
+            _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=labelled(config, progress))
+
+    # A configuration whose step cannot be traced (a model whose ops mix dtypes under autocast) is left
+    # out, and said so; the plan fails with it when it is the first one tried (the step as asked).
+    failed: list[tuple[Any, TraceError]] = []
+    reached = 0
 
     with fit_ahead(wl, first, n_workers, fit_later) as ahead:
         if ahead.children and progress is not None:
@@ -197,11 +204,18 @@ def plan(
         for config in configs:
             if chosen is not None and len(options) > ALTERNATIVES:
                 break
-            if not _could_fit(wl, dev, config, gpus, budget):
+            reached += 1
+            try:
+                if not _could_fit(wl, dev, config, gpus, budget):
+                    continue
+                ahead.wait(config, lambda later: fit_later(later, progress))
+                step = labelled(config, progress)
+                fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
+            except TraceError as e:
+                if reached == 1:
+                    raise
+                failed.append((config, e))
                 continue
-            ahead.wait(config, lambda later: fit_later(later, progress))
-            step = labelled(config, progress)
-            fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
             if fitted is None:
                 continue
             option = _option(fitted, dev, gpus, global_batch_size, interconnect)
@@ -219,7 +233,9 @@ def plan(
     accumulation = max(len(s) for s in splits)
     if fitted_wl.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
         est = dataclasses.replace(est, accumulation_steps=accumulation)
-    warnings = _warnings(wl, micro, global_batch_size, gpus)
+    warnings = _warnings(wl, micro, global_batch_size, gpus) + tuple(
+        f"not considered: {', '.join(c.remedies) or 'fp32'}, whose step failed when traced: {e}" for c, e in failed
+    )
     picked = next(o for f, o in options if f is chosen)
     alternatives = tuple(sorted((o for f, o in options if f is not chosen), key=_by_time))
     tokens = wl.tokens_per_item * global_batch_size if wl.tokens_per_item else None

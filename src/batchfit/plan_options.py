@@ -15,7 +15,7 @@ from typing import Any
 
 from .batching import make_splits
 from .devices import Device
-from .errors import DoesNotFitError
+from .errors import DoesNotFitError, TraceError
 from .fit import FitResult, fit
 from .memory.estimate import Estimate, with_accumulation
 from .plan_ladder import _Config
@@ -61,7 +61,10 @@ def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) ->
     from .precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-    states = state_bytes(wl, policy.param_dtype)
+    try:
+        states = state_bytes(wl, policy.param_dtype)
+    except TraceError:  # an optimizer that cannot step on zero gradients: no bound; its fit will say why
+        return True
     held = states.sharded(gpus) if config.sharded else states.total
     return held + dev.context_bytes <= budget
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import sys
 import warnings
 from collections.abc import Iterator
@@ -231,8 +232,24 @@ def fake_session() -> Iterator[Any]:
 
     mode = FakeValueMode()
     # The shadows' random draws come from a forked generator (NOTE [ Reading values during a fake trace ]).
-    with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), mode:
+    with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), _quiet_meta_failures(), mode:
         yield mode.values
+
+
+def _drop_meta_failure(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Iterator[None]:
+    """Without torch's log of a failing meta kernel (a traceback on stderr): the exception reaches the
+    trace, which turns it into one line naming the module and op."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.addFilter(_drop_meta_failure)
+    try:
+        yield
+    finally:
+        log.removeFilter(_drop_meta_failure)
 
 
 def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
