@@ -196,3 +196,15 @@ def test_accumulation_keeps_the_gradients_alive_through_the_next_forward(workloa
     assert est.peak_phase in ("forward", "backward")
     assert est.breakdown["gradients"] > plain.breakdown["gradients"]
     assert est.peak_allocated_bytes > plain.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "NAdam", "RMSprop", "Rprop", "ASGD"])
+def test_optimizers_with_state_from_their_constructor_are_exact(name: str) -> None:
+    """Adagrad makes its sums in its constructor: live before the first step, counted by both sides."""
+    wl = batchfit.Workload(
+        model=lambda: torch.nn.Linear(64, 64),
+        batch=lambda b: (torch.randn(b, 64), torch.randint(0, 64, (b,))),
+        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        optimizer=lambda params: getattr(torch.optim, name)(params, lr=1e-2),
+    )
+    assert batchfit.estimate(wl, 2, device="cpu").peak_allocated_bytes == measure_cpu_peak(wl, 2)

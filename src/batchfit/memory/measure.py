@@ -65,6 +65,15 @@ def live_storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer holds before its first step (Adagrad makes its sums in its constructor;
+    a tensor learning rate lives in its groups): live when the profiler starts, so never an event."""
+    from torch.utils._pytree import tree_flatten
+
+    held = [*optimizer.state.values(), *({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)]
+    return [t for t in tree_flatten(held)[0] if isinstance(t, torch.Tensor)]
+
+
 def profile_peak(prof: Any, start_bytes: int = 0) -> int:
     """The peak of ``start_bytes`` + the running sum of the profiler's ``[memory]`` events."""
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
@@ -86,7 +95,8 @@ def measure_cpu_peak(
 ) -> int:
     """Run ``steps`` real training steps on the CPU and return the allocator's peak, in bytes.
 
-    The model and optimizer are built first (their bytes are the starting point); then the same
+    The model and optimizer are built first (their bytes, states the optimizer's constructor made
+    included, are the starting point); then the same
     ``run_steps`` the tracer uses runs under the profiler.
     """
     policy = policy_for(precision)
@@ -94,7 +104,7 @@ def measure_cpu_peak(
     model, optimizer = build_for_steps(
         workload, policy.param_dtype, checkpoint_classes(checkpointing, workload.checkpoint_blocks)
     )
-    start = live_storage_bytes(model_tensors(model))
+    start = live_storage_bytes([*model_tensors(model), *optimizer_tensors(optimizer)])
 
     with cpu_memory_profile() as prof:
         run_workload_steps(
