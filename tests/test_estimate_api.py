@@ -202,3 +202,17 @@ def test_every_torch_optimizer_steps_on_a_gpu_with_its_step_counters_known(name:
     wl = _frozen_workload(optimizer=lambda ps: getattr(torch.optim, name)(ps, lr=1e-3))
     est = batchfit.estimate(wl, 4, device="A100-80GB")
     assert not [n for n in est.notes if "assumed" in n], est.notes
+
+
+def test_a_capturable_optimizer_is_estimated_for_a_gpu_as_without_it_and_said_so() -> None:
+    """``capturable=True`` keeps step counters on the GPU (for CUDA graphs); fake CPU tensors refuse it."""
+    plain = batchfit.estimate(_frozen_workload(), 4, device="A100-80GB")
+    wl = _frozen_workload(optimizer=lambda ps: torch.optim.AdamW(ps, capturable=True))
+    est = batchfit.estimate(wl, 4, device="A100-80GB")
+    assert est.device_total_bytes == plain.device_total_bytes
+    assert est.breakdown == plain.breakdown
+    assert any("capturable=True" in n for n in est.notes)
+    planned = batchfit.plan(wl, 8, device="A100-80GB", gpus=2)
+    without = batchfit.plan(_frozen_workload(), 8, device="A100-80GB", gpus=2)
+    assert planned.estimate.device_total_bytes == without.estimate.device_total_bytes
+    assert planned.micro_batch_size == without.micro_batch_size

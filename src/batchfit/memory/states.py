@@ -58,7 +58,7 @@ def state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
 def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
     from ..errors import BatchfitError, TraceError
     from .construct import build_fake_model, fake_session, materialize_lazy
-    from .steps import default_dtype
+    from .steps import default_dtype, prefer_foreach
     from .trace import _make_optimizer
 
     with fake_session():
@@ -72,6 +72,7 @@ def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
                 raise TraceError(_failed("the first forward of its lazy modules", e)) from e
         params = trainable_parameters(model)
         optimizer = _make_optimizer(workload, model)
+        prefer_foreach(optimizer)  # as a GPU's trace steps it (capturable is refused for CPU tensors)
         for p in params:
             p.grad = torch.zeros_like(p)
         try:

@@ -104,15 +104,22 @@ def run_steps(
     mark("end", steps)
 
 
-def prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
-    """Resolve ``foreach=None`` ("pick for me") to True, as torch does for CUDA parameters.
+def prefer_foreach(optimizer: torch.optim.Optimizer) -> bool:
+    """Resolve ``foreach=None`` ("pick for me") to True, as torch does for CUDA parameters; True when
+    ``capturable=True`` was set aside.
 
     ``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``: the multi-tensor kernels a GPU
     runs allocate group-sized temporaries that the per-parameter loop CPU tensors get would not.
+    ``capturable`` (step counters on the GPU, for CUDA graphs) is refused for CPU tensors, real or
+    fake: the step is traced without it, its counters counted on the device all the same.
     """
+    capturable = False
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("differentiable", False):
             group["foreach"] = True
+        if group.get("capturable"):
+            group["capturable"], capturable = False, True
+    return capturable
 
 
 def build_for_steps(

@@ -88,8 +88,8 @@ def trace_workload(
             if materialize_lazy(model, workload):
                 notes.append("lazy modules were initialised by one forward pass on a batch of one item")
         optimizer = _make_optimizer(workload, model)
-        if foreach_optimizer:
-            prefer_foreach(optimizer)
+        if foreach_optimizer and prefer_foreach(optimizer):
+            notes.append("capturable=True: traced without it (CPU tensors refuse it); its step counters are counted")
         return _trace_steps(
             workload, model, optimizer, batch_size, values, notes,
             param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,

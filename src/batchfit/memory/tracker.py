@@ -284,7 +284,8 @@ def sparse_tensor_error() -> TraceError:
     return TraceError(
         "the step makes a sparse tensor (an nn.Embedding or nn.EmbeddingBag with sparse=True, say), whose "
         "memory depends on the values of its indices, which fake tensors do not have; estimate with "
-        "sparse=False: its dense gradient is an upper bound of the sparse one"
+        "sparse=False (and an optimizer for dense gradients, Adam for SparseAdam): its dense gradient is an "
+        "upper bound of the sparse one"
     )
 
 
