@@ -216,3 +216,10 @@ def test_a_capturable_optimizer_is_estimated_for_a_gpu_as_without_it_and_said_so
     without = batchfit.plan(_frozen_workload(), 8, device="A100-80GB", gpus=2)
     assert planned.estimate.device_total_bytes == without.estimate.device_total_bytes
     assert planned.micro_batch_size == without.micro_batch_size
+
+
+def test_an_optimizer_that_needs_a_closure_is_one_error_saying_so() -> None:
+    wl = _frozen_workload(optimizer=lambda ps: torch.optim.LBFGS(ps))
+    with pytest.raises(batchfit.TraceError, match="needs a closure .*history_size") as info:
+        batchfit.estimate(wl, 2, device="A100-80GB")
+    assert "would fail on a real device" not in str(info.value) and "\n" not in str(info.value)

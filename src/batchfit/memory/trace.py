@@ -185,6 +185,12 @@ def step_failure(e: Exception, tracer: Tracer) -> Exception:
             f"the step's output sizes depend on its data in {where}{at}, which batchfit cannot assume; "
             "estimate with a batch whose shapes do not depend on values, or report this model"
         )
+    if isinstance(e, TypeError) and "closure" in text and "step()" in text:
+        return TraceError(
+            "the optimizer's step needs a closure (LBFGS re-runs forward and backward up to max_iter times per "
+            "step), which batchfit's training step does not pass; estimate with a first-order optimizer (its "
+            "activations are LBFGS's) and add its history, about 2 x history_size x the parameters' bytes"
+        )
     if isinstance(e, (UnsupportedFakeTensorException, UnsupportedOperatorException)):
         return TraceError(
             f"{where}{at} uses an op fake tensors cannot run ({text}); "
