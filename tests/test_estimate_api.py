@@ -223,3 +223,40 @@ def test_an_optimizer_that_needs_a_closure_is_one_error_saying_so() -> None:
     with pytest.raises(batchfit.TraceError, match="needs a closure .*history_size") as info:
         batchfit.estimate(wl, 2, device="A100-80GB")
     assert "would fail on a real device" not in str(info.value) and "\n" not in str(info.value)
+
+
+class _FrozenEncoder(nn.Module):
+    """A frozen text encoder kept in eval mode and run under no_grad, with a padding mask: torch's
+    inference fast path would pack the batch into a nested tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32, padding_idx=0)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2,
+                                         enable_nested_tensor=True)  # fmt: skip
+        self.enc.requires_grad_(False)
+        self.head = nn.Linear(32, 5)
+
+    def train(self, mode: bool = True) -> _FrozenEncoder:
+        super().train(mode)
+        self.enc.eval()
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.enc(self.embed(ids), src_key_padding_mask=ids == 0)
+        return self.head(h.mean(1))
+
+
+def test_a_frozen_encoders_inference_fast_path_is_estimated_as_its_padded_path() -> None:
+    from batchfit.memory.measure import measure_cpu_peak
+
+    def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(1, 64, (b, 12))
+        ids[:, 8:] = 0  # padding
+        return ids, torch.randint(0, 5, (b,))
+
+    wl = Workload(model=_FrozenEncoder, batch=batch, loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    gpu = batchfit.estimate(wl, 4, device="A100-80GB")  # a nested tensor fake tensors cannot make: refused before
+    assert gpu.device_total_bytes > gpu.context_bytes
+    assert batchfit.estimate(wl, 4, device="cpu").peak_allocated_bytes >= measure_cpu_peak(wl, 4)  # an upper bound

@@ -232,8 +232,26 @@ def fake_session() -> Iterator[Any]:
 
     mode = FakeValueMode()
     # The shadows' random draws come from a forked generator (NOTE [ Reading values during a fake trace ]).
-    with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), _quiet_meta_failures(), mode:
+    with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), _quiet_meta_failures(), \
+            _no_nested_fast_path(), mode:  # fmt: skip
         yield mode.values
+
+
+@contextlib.contextmanager
+def _no_nested_fast_path() -> Iterator[None]:
+    """Attention's inference fast path off: a frozen ``nn.TransformerEncoder`` in eval mode under no_grad
+    packs its padded batch into a nested tensor (``_nested_tensor_from_mask``), which fake tensors
+    cannot make; the padded path it falls back to holds at least as much (an upper bound)."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    saved = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(saved)
 
 
 def _drop_meta_failure(record: logging.LogRecord) -> bool:
