@@ -208,3 +208,36 @@ def test_optimizers_with_state_from_their_constructor_are_exact(name: str) -> No
         optimizer=lambda params: getattr(torch.optim, name)(params, lr=1e-2),
     )
     assert batchfit.estimate(wl, 2, device="cpu").peak_allocated_bytes == measure_cpu_peak(wl, 2)
+
+
+class _CountingRouter(torch.nn.Module):
+    """Tokens sorted by a learned router's choice, counted per expert (``bincount(..., minlength)``) and
+    split by the counts: sizes from activations, which a trace cannot know. This router's weights send
+    item ``i`` to expert ``i % 4``, the even spread the trace assumes, so the real step is the traced one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.eye(4, 8))
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        counts = torch.bincount(choice, minlength=4).tolist()
+        order = torch.argsort(choice, stable=True)
+        parts = x[order].split(counts)
+        return self.head(torch.cat([expert(part) for expert, part in zip(self.experts, parts)]))
+
+
+@pytest.mark.parametrize("b", [4, 8, 11])
+def test_counts_of_a_learned_router_are_assumed_even_and_exact_when_they_are(b: int) -> None:
+    wl = batchfit.Workload(
+        model=_CountingRouter,
+        batch=lambda n: (torch.eye(4, 8).repeat(n // 4 + 1, 1)[:n] * 3.0, torch.randint(0, 2, (n,))),
+        loss=lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1]),
+    )
+    est = batchfit.estimate(wl, b, device="cpu")
+    assert any("spread evenly over 4 bins" in n for n in est.notes)
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, b)

@@ -333,6 +333,16 @@ class ValueMode(TorchDispatchMode):
             for index in args[1]:
                 indices.extend(self._as_long_indices(index, func))
             return func(args[0], indices, *args[2:], **kwargs)
+        if name == "aten::bincount" and isinstance(x, torch.Tensor):
+            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            weights = args[1] if len(args) > 1 else kwargs.get("weights")
+            if minlength and weights is None:  # a router's tokens per expert: bincount(choices, minlength=experts)
+                self.note(func, f"{x.numel()} values spread evenly over {minlength} bins")
+                n = x.numel()
+                with _disable_current_modes():
+                    counts = torch.full((minlength,), n // minlength, dtype=torch.long)
+                    counts[: n % minlength] += 1
+                return self._fake_like(counts, values=True)
         if name.startswith("aten::unique") or name == "aten::_unique2" or name == "aten::_unique":
             self.note(func, "every element distinct")
             n = x.numel() if x is not None else 0
