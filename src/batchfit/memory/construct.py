@@ -242,16 +242,14 @@ def _no_nested_fast_path() -> Iterator[None]:
     """Attention's inference fast path off: a frozen ``nn.TransformerEncoder`` in eval mode under no_grad
     packs its padded batch into a nested tensor (``_nested_tensor_from_mask``), which fake tensors
     cannot make; the padded path it falls back to holds at least as much (an upper bound)."""
+    from .steps import temporarily
+
     mha = getattr(torch.backends, "mha", None)
     if mha is None or not hasattr(mha, "set_fastpath_enabled"):
         yield
         return
-    saved = mha.get_fastpath_enabled()
-    mha.set_fastpath_enabled(False)
-    try:
+    with temporarily(mha.get_fastpath_enabled, mha.set_fastpath_enabled, False):
         yield
-    finally:
-        mha.set_fastpath_enabled(saved)
 
 
 def _drop_meta_failure(record: logging.LogRecord) -> bool:

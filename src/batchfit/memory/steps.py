@@ -196,9 +196,16 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     if dtype is None:
         yield
         return
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    with temporarily(torch.get_default_dtype, torch.set_default_dtype, dtype):
+        yield
+
+
+@contextlib.contextmanager
+def temporarily(get: Callable[[], Any], set_to: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    """A process-wide torch setting at ``value`` for the block, then back to what it was."""
+    saved = get()
+    set_to(value)
     try:
         yield
     finally:
-        torch.set_default_dtype(old)
+        set_to(saved)
