@@ -382,3 +382,25 @@ def test_a_failing_meta_kernel_is_one_error_without_torchs_logged_traceback(capl
     with caplog.at_level("ERROR"), pytest.raises(TraceError):
         estimate(wl, 3, device="A100-80GB", precision="bf16")
     assert not [r for r in caplog.records if r.name.startswith("torch")], caplog.text
+
+
+class _BrokenWide(nn.Module):
+    """8M parameters and a forward that fails for any precision (a shape bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4096, 2048)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(-1, 7)
+
+
+def test_a_broken_step_is_the_plans_error_even_when_the_first_configuration_needs_no_trace() -> None:
+    wl = Workload(model=_BrokenWide, batch=lambda b: (torch.randn(b, 4096), torch.zeros(b).long()),
+                  loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), name="broken-wide")  # fmt: skip
+    # fp32 states (16 bytes a parameter, 128 MiB) exceed this device; bf16 weights and states (64 MiB) do not:
+    # the first configuration traced fails, and nothing has run before it.
+    base = get_device("1GiB")
+    device = base.with_overrides(total_bytes=base.context_bytes + (100 << 20))
+    with pytest.raises(TraceError, match="view"):
+        plan(wl, 8, device=device)

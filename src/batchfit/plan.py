@@ -193,9 +193,10 @@ def plan(
             _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=labelled(config, progress))
 
     # A configuration whose step cannot be traced (a model whose ops mix dtypes under autocast) is left
-    # out, and said so; the plan fails with it when it is the first one tried (the step as asked).
+    # out, and said so, once another configuration's step has run; the first step traced failing is the
+    # plan's error (a bug in the step, not in one configuration of it).
     failed: list[tuple[Any, TraceError]] = []
-    reached = 0
+    traced = False
 
     with fit_ahead(wl, first, n_workers, fit_later) as ahead:
         if ahead.children and progress is not None:
@@ -204,7 +205,6 @@ def plan(
         for config in configs:
             if chosen is not None and len(options) > ALTERNATIVES:
                 break
-            reached += 1
             try:
                 if not _could_fit(wl, dev, config, gpus, budget):
                     continue
@@ -212,10 +212,11 @@ def plan(
                 step = labelled(config, progress)
                 fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
             except TraceError as e:
-                if reached == 1:
+                if not traced:
                     raise
                 failed.append((config, e))
                 continue
+            traced = True
             if fitted is None:
                 continue
             option = _option(fitted, dev, gpus, global_batch_size, interconnect)
