@@ -32,7 +32,7 @@ import copy
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -242,14 +242,23 @@ def _no_nested_fast_path() -> Iterator[None]:
     """Attention's inference fast path off: a frozen ``nn.TransformerEncoder`` in eval mode under no_grad
     packs its padded batch into a nested tensor (``_nested_tensor_from_mask``), which fake tensors
     cannot make; the padded path it falls back to holds at least as much (an upper bound)."""
-    from .steps import temporarily
-
     mha = getattr(torch.backends, "mha", None)
     if mha is None or not hasattr(mha, "set_fastpath_enabled"):
         yield
         return
     with temporarily(mha.get_fastpath_enabled, mha.set_fastpath_enabled, False):
         yield
+
+
+@contextlib.contextmanager
+def temporarily(get: Callable[[], Any], set_to: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    """A process-wide torch setting at ``value`` for the block, then back to what it was."""
+    saved = get()
+    set_to(value)
+    try:
+        yield
+    finally:
+        set_to(saved)
 
 
 def _drop_meta_failure(record: logging.LogRecord) -> bool:

@@ -193,19 +193,10 @@ def run_workload_steps(
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     """Build models and batches in ``dtype`` (how bf16-true training is set up without ``.to()``)."""
+    from .construct import temporarily
+
     if dtype is None:
         yield
         return
     with temporarily(torch.get_default_dtype, torch.set_default_dtype, dtype):
         yield
-
-
-@contextlib.contextmanager
-def temporarily(get: Callable[[], Any], set_to: Callable[[Any], Any], value: Any) -> Iterator[None]:
-    """A process-wide torch setting at ``value`` for the block, then back to what it was."""
-    saved = get()
-    set_to(value)
-    try:
-        yield
-    finally:
-        set_to(saved)
