@@ -80,7 +80,7 @@ from torch import nn
 
 import batchfit
 from batchfit import Workload, presets
-from batchfit.devices import Device, get_device
+from batchfit.gpu.catalog import Device, get_device
 from batchfit.memory.allocator import replay
 from batchfit.memory.trace import trace_workload
 from batchfit.models import hf_data

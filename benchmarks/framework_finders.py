@@ -77,10 +77,10 @@ class Row:
 @contextlib.contextmanager
 def counting_traces() -> Iterator[list[int]]:
     """Count batchfit's traced steps (each trace runs two training steps on fake tensors)."""
-    import batchfit.fit  # noqa: F401 - the modules, by name: `batchfit.fit` is the function
     import batchfit.memory.estimate  # noqa: F401
+    import batchfit.planning.fit  # noqa: F401 - the modules, by name: `batchfit.fit` is the function
 
-    modules = [sys.modules["batchfit.fit"], sys.modules["batchfit.memory.estimate"]]
+    modules = [sys.modules["batchfit.planning.fit"], sys.modules["batchfit.memory.estimate"]]
     count = [0]
     original = modules[1].trace_for_device
 

@@ -233,8 +233,8 @@ def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled:
 
 def worker(name: str, quick: bool, profile_path: str | None) -> int:
     """Run one case and print one JSON object per row (never raises for a row)."""
-    from batchfit._cuda import cuda_device
-    from batchfit.calibrate import TorchGpu
+    from batchfit.gpu._cuda import cuda_device
+    from batchfit.gpu.calibrate import TorchGpu
     from batchfit.precision import policy_for
 
     gpu = TorchGpu()  # NVML's baseline is read now, before this process has a CUDA context

@@ -8,7 +8,7 @@ Two cases, each in fresh subprocesses so that every figure includes what a user'
 For each: one ``estimate`` at batch 1 (no cache), the ``plan`` with an empty cache ("cold": how many
 steps it traced, and its time as a multiple of the estimate's), once fitting one configuration at a
 time (``BATCHFIT_WORKERS=1``) and once as a user's command runs it (configurations fitted ahead in as
-many processes as the machine has cores, ``plan_parallel.py``), the same plan in a new process with
+many processes as the machine has cores, ``planning/parallel.py``), the same plan in a new process with
 the cache the cold one left ("warm": its time beyond the process's start-up, measured as the median
 of three processes that do the same up to the plan call: import batchfit and build the preset's
 workload, which for a transformers preset imports transformers). Targets: cold <= 3 estimates' time,
@@ -87,7 +87,7 @@ def main() -> int:
     from rich.table import Table
 
     table = Table(title="plan speed: fresh processes, traces counted by the trace cache", title_justify="left")
-    from batchfit.plan_parallel import resolve_workers
+    from batchfit.planning.parallel import resolve_workers
 
     workers = resolve_workers(None)
     for col in ("case", "estimate s", "cold plan s, 1 process", "/ estimate", f"cold plan s, {workers} processes",

@@ -50,8 +50,8 @@ from rich.console import Console
 from rich.table import Table
 
 from batchfit import SimulatedDevice, Workload, presets
-from batchfit.fit import fit
 from batchfit.memory.steps import loss_for_backward
+from batchfit.planning.fit import fit
 from batchfit.workload import trainable_parameters
 
 CAPACITIES = ("32MiB", "96MiB", "192MiB")
@@ -270,7 +270,7 @@ def search_table(rows: list[Row], limit: float) -> Table:
 # -- the sweep's knee against an exhaustive sweep -----------------------------------------------------------
 def knee_table(console: Console, named: dict[str, Workload], steps: int) -> tuple[Table, bool]:
     """One row per workload: the knee over powers of two, the best of every size in the same range."""
-    from batchfit.sweep import default_batch_sizes, sweep
+    from batchfit.planning.sweep import default_batch_sizes, sweep
 
     title = f"Sweep knee vs the best of an exhaustive sweep on this CPU (>= {KNEE_SHARE:.0%} of its items/s)"
     table = Table(title=title)
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("sweep-knee table skipped (--no-sweep)")
     else:
         try:
-            import batchfit.sweep  # noqa: F401
+            import batchfit.planning.sweep  # noqa: F401
         except ImportError:
             console.print("sweep-knee table skipped: batchfit.sweep is not available")
         else:

@@ -51,7 +51,7 @@ def _ours() -> dict[str, Any]:
     import batchfit
     from batchfit import presets
     from batchfit.cache import no_cache
-    from batchfit.devices import get_device
+    from batchfit.gpu.catalog import get_device
     from batchfit.memory.estimate import _trace_for_device, read_peak
     from batchfit.precision import policy_for
 

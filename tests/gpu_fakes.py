@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from batchfit.calibrate import ConvShape
+from batchfit.gpu.calibrate import ConvShape
+from batchfit.gpu.profiles import ConvMeasurement, GpuIdentity
 from batchfit.memory.cudnn import BACKWARD_DATA, FORWARD
-from batchfit.profiles import ConvMeasurement, GpuIdentity
 from batchfit.units import MiB
 
 H100 = GpuIdentity(name="NVIDIA H100 80GB HBM3", driver="580.65.06", cuda="13.0", torch="2.11.0+cu130")

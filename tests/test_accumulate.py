@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import batchfit.train.accumulate as accumulate_module
 from batchfit.batching import split_batch
 from batchfit.errors import ConfigError
-from batchfit.fit import fit
-from batchfit.simulated import SimulatedDevice
+from batchfit.gpu.simulated import SimulatedDevice
+from batchfit.planning.fit import fit
 from batchfit.train.accumulate import Accumulator, StepResult, micro_batch_sizes
 from batchfit.train.trainer import Trainer
 from batchfit.workload import Workload
@@ -357,7 +357,7 @@ def test_fp16_unscales_before_clipping_and_reports_skipped_steps() -> None:
 
 # -- micro_batch_size="auto" ---------------------------------------------------------------------------------
 def _fake_plan_module(calls: list[dict[str, Any]], splits: list[list[int]], **fields: Any) -> types.ModuleType:
-    module = types.ModuleType("batchfit.plan")
+    module = types.ModuleType("batchfit.planning.plan")
 
     def plan(workload: Any, global_batch_size: int, **kwargs: Any) -> Any:
         with FakeTensorMode():
@@ -372,7 +372,7 @@ def _fake_plan_module(calls: list[dict[str, Any]], splits: list[list[int]], **fi
 
 def test_auto_micro_batch_comes_from_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict[str, Any]] = []
-    monkeypatch.setitem(sys.modules, "batchfit.plan", _fake_plan_module(calls, [[2, 3, 2, 3]]))
+    monkeypatch.setitem(sys.modules, "batchfit.planning.plan", _fake_plan_module(calls, [[2, 3, 2, 3]]))
     model, optimizer, _ = build(mlp, "adamw", False)
     with SimulatedDevice("1GiB") as gpu:
         trainer = Trainer(model, optimizer, mean_loss, global_batch_size=G, device=gpu, precision="fp32")
@@ -398,7 +398,7 @@ def test_sharding_is_nothing_to_do_on_one_process(monkeypatch: pytest.MonkeyPatc
     batch = class_batches(1)[0]
     results = []
     for sharded in (False, True):
-        monkeypatch.setitem(sys.modules, "batchfit.plan", _fake_plan_module([], [[5, 5]], sharded=sharded))
+        monkeypatch.setitem(sys.modules, "batchfit.planning.plan", _fake_plan_module([], [[5, 5]], sharded=sharded))
         model, optimizer, _ = build(mlp, "sgd-momentum", False)
         with SimulatedDevice("1GiB") as gpu:
             trainer = Trainer(model, optimizer, mean_loss, global_batch_size=G, device=gpu, sharded=sharded)

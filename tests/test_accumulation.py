@@ -12,7 +12,7 @@ import torch
 import batchfit
 from batchfit import presets
 from batchfit.cache import CACHE
-from batchfit.devices import get_device
+from batchfit.gpu.catalog import get_device
 from batchfit.memory.accumulation import accumulating_trace
 from batchfit.memory.categories import Category
 from batchfit.memory.estimate import (

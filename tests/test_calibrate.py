@@ -7,9 +7,9 @@ import torch
 from gpu_fakes import H100, H100_TOTAL, PER_HANDLE, FakeCuda, FakeGpu, FakeNvml, this_pid
 
 from batchfit import calibrate
-from batchfit.calibrate import QUICK_SHAPES, SHAPES, ConvShape, TorchGpu, calibrate_device, measure_transient
-from batchfit.devices import ConvWorkspace
 from batchfit.errors import NoGpuError
+from batchfit.gpu.calibrate import QUICK_SHAPES, SHAPES, ConvShape, TorchGpu, calibrate_device, measure_transient
+from batchfit.gpu.catalog import ConvWorkspace
 from batchfit.memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD
 from batchfit.units import MiB
 

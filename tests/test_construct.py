@@ -79,7 +79,7 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
         model[0].requires_grad_(False)
         return model
 
-    from batchfit.devices import get_device
+    from batchfit.gpu.catalog import get_device
     from batchfit.memory.categories import Category
     from batchfit.memory.estimate import trace_for_device
     from batchfit.precision import policy_for

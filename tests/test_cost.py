@@ -1,4 +1,4 @@
-"""The time model that ranks a plan's configurations (``batchfit.cost``), on cases whose order is known."""
+"""The time model that ranks a plan's configurations (``batchfit.planning.cost``), on cases whose order is known."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 import batchfit
 from batchfit import presets
-from batchfit.cost import Interconnect, link_gbps, predict_step_time, step_traffic
-from batchfit.devices import get_device
 from batchfit.errors import ConfigError, TraceError
+from batchfit.gpu.catalog import get_device
 from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.states import state_bytes
+from batchfit.planning.cost import Interconnect, link_gbps, predict_step_time, step_traffic
 from batchfit.precision import policy_for
 
 GPT = presets.get("gpt", n_layer=2, n_embd=256, n_head=4, vocab_size=512, seq_len=256)

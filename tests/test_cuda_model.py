@@ -14,7 +14,7 @@ from torch import nn
 
 import batchfit
 from batchfit import Workload
-from batchfit.devices import get_device
+from batchfit.gpu.catalog import get_device
 from batchfit.memory.allocator import round_size
 from batchfit.memory.categories import Category
 from batchfit.memory.estimate import trace_for_device

@@ -13,7 +13,7 @@ from torch import nn
 
 import batchfit
 from batchfit import Workload
-from batchfit.devices import ConvWorkspace, get_device
+from batchfit.gpu.catalog import ConvWorkspace, get_device
 from batchfit.memory import cudnn
 from batchfit.memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD, CudnnFlags, workspaces
 from batchfit.memory.estimate import trace_for_device

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from batchfit.devices import (
+from batchfit.errors import ConfigError, UnknownNameError
+from batchfit.gpu.catalog import (
     CONTEXT_BYTES,
     CPU,
     NOTE,
@@ -15,7 +16,6 @@ from batchfit.devices import (
     catalog,
     get_device,
 )
-from batchfit.errors import ConfigError, UnknownNameError
 
 REQUIRED = {
     "V100-16GB",

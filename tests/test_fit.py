@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from batchfit import ConfigError, DoesNotFitError, SimulatedDevice, Workload, estimate, get_device, presets
-from batchfit.devices import Device
-from batchfit.fit import FitResult, fit
+from batchfit.gpu.catalog import Device
 from batchfit.memory.steps import loss_for_backward
+from batchfit.planning.fit import FitResult, fit
 from batchfit.workload import trainable_parameters
 
 MLP = presets.get("mlp")

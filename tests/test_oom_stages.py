@@ -21,7 +21,7 @@ import batchfit.train.finish as finish_module
 import batchfit.train.oom as oom_module
 import batchfit.train.window_noise as window_noise_module
 from batchfit.errors import DoesNotFitError
-from batchfit.simulated import SimulatedDevice
+from batchfit.gpu.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator
 from batchfit.train.checkpoint import save_checkpoint
 from batchfit.train.outofmemory import MicroBatchOutOfMemory

@@ -19,11 +19,11 @@ from torch import nn
 
 from batchfit import ConfigError, DoesNotFitError, TraceError, Workload, estimate, get_device, presets
 from batchfit.batching import make_splits, rank_shares, split_share
-from batchfit.devices import Device
-from batchfit.fit import fit
+from batchfit.gpu.catalog import Device
 from batchfit.memory.sharding import unit_of
 from batchfit.models import hf
-from batchfit.plan import _ladder, describe_split, fit_estimate_at, plan
+from batchfit.planning.fit import fit
+from batchfit.planning.plan import _ladder, describe_split, fit_estimate_at, plan
 from batchfit.train.fsdp import fsdp_units
 
 MLP = presets.get("mlp")

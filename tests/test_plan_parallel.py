@@ -1,4 +1,4 @@
-"""A plan's configurations fitted ahead in forked processes (``plan_parallel.py``): the same plan, the same
+"""A plan's configurations fitted ahead in forked processes (``planning/parallel.py``): the same plan, the same
 count of traced steps, and a child that fails or hangs costs time, never the answer."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_fitting_ahead_gives_the_same_plan_and_counts_the_same_steps(
 
 def _in_children_only(monkeypatch: pytest.MonkeyPatch, misbehave: Any) -> None:
     """Make the plan's ``_fit_config`` ``misbehave`` in a forked child; the plan's own process is untouched."""
-    plan_module = importlib.import_module("batchfit.plan")  # the module (``batchfit.plan`` is the function)
+    plan_module = importlib.import_module("batchfit.planning.plan")  # the module (``batchfit.plan`` is the function)
     parent, real = os.getpid(), plan_module._fit_config
 
     def fit_config(*args: Any, **kwargs: Any) -> Any:

@@ -12,11 +12,11 @@ from gpu_fakes import H100, H100_TOTAL, PER_HANDLE, FakeGpu
 
 import batchfit
 from batchfit import Workload, profiles
-from batchfit.calibrate import calibrate_device
 from batchfit.cli import main
-from batchfit.context import detect_module_loading, resolve_device
-from batchfit.devices import CONTEXT_BYTES, EAGER_CONTEXT_BYTES, get_device
 from batchfit.errors import ConfigError, ProfileError
+from batchfit.gpu.calibrate import calibrate_device
+from batchfit.gpu.catalog import CONTEXT_BYTES, EAGER_CONTEXT_BYTES, get_device
+from batchfit.gpu.context import detect_module_loading, resolve_device
 from batchfit.units import MiB
 
 CONTEXT = 1100 * MiB  # what FakeGpu's readings give after the training steps
@@ -249,7 +249,7 @@ def test_calibrate_without_a_gpu_says_so_in_one_line(capsys, monkeypatch) -> Non
 
 def test_calibrate_writes_a_profile_that_estimate_then_uses(capsys, monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("batchfit.calibrate.TorchGpu", FakeGpu)
+    monkeypatch.setattr("batchfit.gpu.calibrate.TorchGpu", FakeGpu)
     code, out, err = _run(capsys, "calibrate", "--json")
     assert code == 0, err
     written = json.loads(out)
@@ -259,7 +259,7 @@ def test_calibrate_writes_a_profile_that_estimate_then_uses(capsys, monkeypatch,
     assert code == 0 and "device profile: NVIDIA H100 80GB HBM3" in out and "measuring" in err
     assert profiles.load(tmp_path / "mine.json").context_bytes == CONTEXT
     # Used automatically on the machine it describes, and said so on stderr.
-    monkeypatch.setattr("batchfit.context._local_identity", lambda: H100)
+    monkeypatch.setattr("batchfit.gpu.context._local_identity", lambda: H100)
     code, out, err = _run(capsys, "estimate", "mlp", "-b", "8", "--device", "H100-80GB", "--json")
     est = json.loads(out)
     assert code == 0 and (est["context_source"], est["context_bytes"]) == ("profile", CONTEXT)

@@ -22,7 +22,7 @@ import batchfit
 from batchfit import presets
 from batchfit.cli.report import report
 from batchfit.memory.categories import ORDER
-from batchfit.plan import PlanOption
+from batchfit.planning.plan import PlanOption
 from batchfit.report.figures import _downsample, memory_timeline
 from batchfit.report.html import Report, build_report, render_html, write_report
 

@@ -10,7 +10,7 @@ import pytest
 from torch.cuda import _memory_viz
 
 from batchfit import presets
-from batchfit.devices import get_device
+from batchfit.gpu.catalog import get_device
 from batchfit.memory.allocator import replay
 from batchfit.memory.estimate import finish_estimate, trace_for_device
 from batchfit.memory.snapshot import PICKLE_PROTOCOL, build_snapshot, write_snapshot

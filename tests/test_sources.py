@@ -13,8 +13,8 @@ import torch
 
 import batchfit
 from batchfit.cli import main
-from batchfit.devices import get_device
 from batchfit.errors import ConfigError, TraceError
+from batchfit.gpu.catalog import get_device
 from batchfit.memory.categories import Category
 from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.steps import default_dtype

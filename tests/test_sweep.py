@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchfit import ConfigError, sweep
-from batchfit.sweep import SweepPoint, knee_of
+from batchfit.planning.sweep import SweepPoint, knee_of
 
 
 def _p(b: int, ips: float) -> SweepPoint:
@@ -46,7 +46,8 @@ def test_an_empty_list_is_refused_not_replaced_by_the_defaults() -> None:
 def test_a_device_that_is_not_this_machine_is_refused_before_any_step(device: str, monkeypatch) -> None:
     import sys
 
-    monkeypatch.setattr(sys.modules["batchfit.sweep"], "_time_steps", lambda *a, **k: pytest.fail("a step ran"))
+    sweep_module = sys.modules["batchfit.planning.sweep"]
+    monkeypatch.setattr(sweep_module, "_time_steps", lambda *a, **k: pytest.fail("a step ran"))
     with pytest.raises(ConfigError, match=r"sweep measures this machine \(cpu, or cuda when a GPU is present\)"):
         sweep("mlp", device=device, batch_sizes=[1], steps=1)
 

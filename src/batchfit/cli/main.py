@@ -126,7 +126,7 @@ def gpus(as_json: JsonOpt = False) -> None:
     """List the GPU catalog."""
     from dataclasses import asdict
 
-    from ..devices import catalog
+    from ..gpu.catalog import catalog
 
     devices = catalog()
     if as_json:
@@ -177,8 +177,8 @@ def fit_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
-    from ..fit import fit
     from ..memory.estimate import check_batch_size
+    from ..planning.fit import fit
 
     check_batch_size(accumulation_steps, "--accumulation-steps")
 
@@ -237,7 +237,7 @@ def plan_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Plan a global batch as micro-batch x accumulation steps x GPUs, exactly."""
-    from ..plan import plan
+    from ..planning.plan import plan
 
     planner = plan
     if hf_args is not None:
@@ -284,7 +284,7 @@ def sweep_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure real steps: throughput and peak memory by batch size, and the knee of the curve."""
-    from ..sweep import measurable_device, parse_batch_sizes, sweep
+    from ..planning.sweep import measurable_device, parse_batch_sizes, sweep
 
     measurable_device(device)  # before building anything: a GPU that is not here is refused at once
     sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
@@ -326,7 +326,7 @@ app.command()(calibrate)
 def demo() -> None:
     """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
     from ..memory.estimate import estimate as run_estimate
-    from ..plan import plan
+    from ..planning.plan import plan
     from ..presets import get
     from ..report.tables import estimate_table, plan_table
 

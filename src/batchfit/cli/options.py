@@ -155,7 +155,7 @@ def device(
 
     What was detected (a stored profile used, eager loading assumed) goes to stderr, one line each.
     """
-    from ..context import resolve_device
+    from ..gpu.context import resolve_device
 
     resolved = resolve_device(
         name,

@@ -65,7 +65,7 @@ def report(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Write an HTML report: the plan, memory by batch size, one step's memory timeline, optional throughput."""
-    from ..sweep import parse_batch_sizes
+    from ..planning.sweep import parse_batch_sizes
     from .options import device as _device
     from .options import workload as _workload
 

@@ -51,8 +51,8 @@ def _device(text: str, precision: str) -> tuple[Any, Any]:
     """``(device for the Trainer, SimulatedDevice or None)`` from ``--device``."""
     import torch
 
+    from ..gpu.simulated import SimulatedDevice
     from ..precision import policy_for
-    from ..simulated import SimulatedDevice
 
     spec = text.strip()
     if spec.lower() == "cpu" or spec.lower().split(":")[0] == "cuda":

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..batching import Batch, batch_size_of, map_tensors
-from ..devices import Device
 from ..errors import ConfigError, DoesNotFitError, MissingExtraError
+from ..gpu.catalog import Device
 from ..units import format_bytes
 
 
@@ -73,13 +73,13 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 def plan_device(device: Any) -> Device:
     """The ``Device`` a plan is made for: a catalog name or capacity, a ``Device``, a ``SimulatedDevice``
     (its allocator capacity), or ``"cuda"`` (the visible GPU, read from torch; nothing runs on it)."""
-    from ..devices import get_device
-    from ..simulated import SimulatedDevice
+    from ..gpu.catalog import get_device
+    from ..gpu.simulated import SimulatedDevice
 
     if isinstance(device, SimulatedDevice):
         return device.device
     if isinstance(device, str) and device.strip().lower() == "cuda":
-        from .._cuda import cuda_device
+        from ..gpu._cuda import cuda_device
 
         return cuda_device()
     return get_device(device)
@@ -130,7 +130,7 @@ def _first_fitting(
     margin: float,
     plan_kwargs: dict[str, Any],
 ) -> Any:
-    from ..plan import plan
+    from ..planning.plan import plan
 
     dev = plan_device(device)
     why = ""

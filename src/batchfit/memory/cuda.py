@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..devices import Device
+from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
 from . import cudnn
 

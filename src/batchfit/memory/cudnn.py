@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from ..devices import ConvWorkspace, Device
+from ..gpu.catalog import ConvWorkspace, Device
 
 FORWARD, BACKWARD_DATA, BACKWARD_FILTER = "forward", "backward data", "backward filter"
 HEURISTIC_WORKSPACE = ConvWorkspace(forward=1.0, backward_data=1.0, backward_filter=1.0)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..devices import Device
+from ..gpu.catalog import Device
 from .allocator import replay, round_size
 from .categories import ORDER, Category
 from .trace import MemoryTrace
@@ -252,7 +252,7 @@ def estimate(
         See the module docstring: the context, cuDNN workspaces, other processes, compiled regions.
     """
     from ..checkpointing import checkpoint_classes
-    from ..devices import get_device
+    from ..gpu.catalog import get_device
     from ..precision import policy_for
 
     workload = with_accumulation(_as_workload(workload), accumulation_steps)

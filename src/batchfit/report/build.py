@@ -104,7 +104,7 @@ def build_report(
             matplotlib missing.
     """
     from ..checkpointing import checkpoint_classes
-    from ..devices import get_device
+    from ..gpu.catalog import get_device
     from ..memory.estimate import (
         _as_workload,
         check_batch_size,
@@ -113,7 +113,7 @@ def build_report(
         with_accumulation,
     )
     from ..memory.sharding import shard_trace
-    from ..plan import plan as make_plan
+    from ..planning.plan import plan as make_plan
     from ..precision import policy_for
 
     say = progress or (lambda _msg: None)
@@ -168,7 +168,7 @@ def build_report(
 
     sweep_result = None
     if sweep_batch_sizes:
-        from ..sweep import sweep
+        from ..planning.sweep import sweep
 
         say(f"sweeping throughput on the CPU over batch sizes {', '.join(map(str, sweep_batch_sizes))}")
         sweep_result = sweep(wl, device="cpu", batch_sizes=list(sweep_batch_sizes), steps=sweep_steps)

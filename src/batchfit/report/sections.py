@@ -79,7 +79,7 @@ def _estimate_section(r: Report) -> str:
 
 
 def _plan_section(r: Report) -> str:
-    from ..plan import describe_split
+    from ..planning.plan import describe_split
 
     out = ["<h2>Plan</h2>"]
     p = r.plan

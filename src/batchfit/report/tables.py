@@ -129,7 +129,7 @@ def fit_table(result: Any) -> Group:
 
 def plan_table(plan: Any) -> Group:
     """The plan (micro x accumulation x GPUs), its estimate, the alternatives and the warnings."""
-    from ..plan import describe_split
+    from ..planning.plan import describe_split
 
     head = Table(
         show_header=False,

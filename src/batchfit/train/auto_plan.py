@@ -63,7 +63,7 @@ def make_plan(
         ConfigError: ``batchfit.plan`` cannot be imported.
     """
     try:
-        from ..plan import plan  # imports the estimator: only when asked for
+        from ..planning.plan import plan  # imports the estimator: only when asked for
     except ImportError as exc:
         raise ConfigError(
             f"micro_batch_size='auto' needs batchfit.plan, which could not be imported ({exc}); "

@@ -15,7 +15,7 @@ import torch
 
 from ..batching import Batch, map_tensors
 from ..errors import ConfigError, UnknownNameError
-from ..simulated import SimulatedDevice
+from ..gpu.simulated import SimulatedDevice
 from .outofmemory import CacheReleaser, CudaCache, NoCache
 
 
@@ -65,7 +65,7 @@ def placement(device: str | torch.device | SimulatedDevice) -> Placement:
 
 def cuda_profile(index: int) -> Any:
     """The catalog entry of the visible GPU, or a generic GPU of its total memory if not in the catalog."""
-    from ..devices import generic_device, get_device
+    from ..gpu.catalog import generic_device, get_device
 
     try:
         return get_device(torch.cuda.get_device_name(index))

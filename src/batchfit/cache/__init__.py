@@ -4,7 +4,7 @@ Entries live in memory for the process and on disk (``BATCHFIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/batchfit`` or ``~/.cache/batchfit``; ``BATCHFIT_CACHE=0`` turns the disk off), so a
 second identical command reuses the first one's traces. A file that cannot be read is ignored, with
 a note in the estimate, and replaced. What goes into a key, and so when an entry is stale, is
-``cache_key.py`` (NOTE [ What a trace depends on ]); its public names are re-exported here.
+``cache/keys.py`` (NOTE [ What a trace depends on ]); its public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .cache_key import Uncacheable, _describe, _digest, _library_versions, describe_model, trace_key, workload_digest
+from .keys import Uncacheable, _describe, _digest, _library_versions, describe_model, trace_key, workload_digest
 
 __all__ = [
     "CACHE",
@@ -131,7 +131,7 @@ class TraceCache:
     ) -> Any:
         """``fact`` for a result on a modelled device (a fit, an estimate): the device and the cuDNN
         settings its kernel model reads are part of the key, beside ``extra``."""
-        from .memory.cudnn import CudnnFlags
+        from ..memory.cudnn import CudnnFlags
 
         return self.fact(kind, workload, param_dtype, compute, extra=(device, CudnnFlags.current(), *extra))
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .devices import Device, catalog, generic_device
-from .errors import ConfigError
+from ..errors import ConfigError
+from .catalog import Device, catalog, generic_device
 
 
 def cuda_device(cuda: Any = torch.cuda) -> Device:
@@ -35,7 +35,7 @@ def cuda_step_fits(
     Everything the attempt allocated is dropped and the cache emptied before returning, whatever
     happened, so the next attempt starts from the same state.
     """
-    from .memory.steps import build_for_steps, run_workload_steps
+    from ..memory.steps import build_for_steps, run_workload_steps
 
     model = optimizer = None
     try:

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .devices import Device, catalog
-from .errors import DoesNotFitError, TraceError
+from ..errors import DoesNotFitError, TraceError
+from ..gpu.catalog import Device, catalog
 from .fit import fit
-from .plan_ladder import _Config
+from .ladder import _Config
 
 
 def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
-    from .advice.batchnorm import advice_for_layers, layer_facts
-    from .cache import CACHE
-    from .memory.trace import fake_model
+    from ..advice.batchnorm import advice_for_layers, layer_facts
+    from ..cache import CACHE
+    from ..memory.trace import fake_model
 
     layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
     text = advice_for_layers(layers, micro, global_batch_size, gpus)
@@ -64,7 +64,7 @@ def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> Does
 def _fewest_items(wl: Any, dev: Device, rung: _Config) -> tuple[str, str]:
     """"one item", or "two items" and why when a step of one item cannot run at all (BatchNorm after a
     global pooling needs two values per channel): the fits then tried two, and the message says so."""
-    from .plan_options import fit_estimate_at
+    from .options import fit_estimate_at
 
     try:
         fit_estimate_at(wl, dev, rung.precision, rung.checkpointing, False, gpus=1, batch_size=1)

@@ -38,10 +38,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .devices import ConvWorkspace
-from .errors import NoGpuError
-from .memory.allocator import round_size
-from .memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, BENCHMARK_WORKSPACE, FORWARD, HEURISTIC_WORKSPACE
+from ..errors import NoGpuError
+from ..memory.allocator import round_size
+from ..memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, BENCHMARK_WORKSPACE, FORWARD, HEURISTIC_WORKSPACE
+from .catalog import ConvWorkspace
 from .profiles import ConvMeasurement, DeviceProfile, GpuIdentity
 
 DIRECTIONS = (FORWARD, BACKWARD_DATA, BACKWARD_FILTER)
@@ -163,7 +163,7 @@ def _convs(gpu: Gpu, batch: int, dtypes: list[torch.dtype], quick: bool) -> list
 
 
 def _batchfit_version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -301,9 +301,9 @@ class TorchGpu:
 
     # -- training steps ------------------------------------------------------------------------------
     def run_steps(self, quick: bool) -> list[str]:
-        from . import presets
-        from .memory.steps import build_for_steps, run_workload_steps
-        from .precision import policy_for
+        from .. import presets
+        from ..memory.steps import build_for_steps, run_workload_steps
+        from ..precision import policy_for
 
         cc = self.properties()["compute_capability"]
         low = "bf16" if cc >= (8, 0) else "fp16"

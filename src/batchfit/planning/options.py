@@ -1,8 +1,8 @@
 """One configuration of a plan, fitted: its largest micro-batch, its memory and its predicted time.
 
-``batchfit.plan`` asks, for each rung of the ladder (``plan_ladder.py``), what micro-batch fits at most
+``batchfit.plan`` asks, for each rung of the ladder (``planning/ladder.py``), what micro-batch fits at most
 a rank's share of the global batch, and turns the answer into a ``PlanOption`` carrying its predicted
-time per global batch (``batchfit.cost``), by which the alternatives are ranked. The cheap lower bound
+time per global batch (``batchfit.planning.cost``), by which the alternatives are ranked. The cheap lower bound
 that skips a configuration without tracing, and the estimate of one rank at a given micro-batch, live
 here as well.
 """
@@ -13,12 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .batching import make_splits
-from .devices import Device
-from .errors import DoesNotFitError, TraceError
+from ..batching import make_splits
+from ..errors import DoesNotFitError, TraceError
+from ..gpu.catalog import Device
+from ..memory.estimate import Estimate, with_accumulation
 from .fit import FitResult, fit
-from .memory.estimate import Estimate, with_accumulation
-from .plan_ladder import _Config
+from .ladder import _Config
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class PlanOption:
     remedies: tuple[str, ...]
     """What this configuration changes from plain fp32 data parallelism, cheapest first."""
     predicted_step_s: float | None = None
-    """Predicted seconds per optimizer step (one global batch), see ``batchfit.cost``."""
+    """Predicted seconds per optimizer step (one global batch), see ``batchfit.planning.cost``."""
     changes_numerics: bool = False
     """Weights and optimizer states in bf16: a change to the training maths, not only to its memory."""
 
@@ -57,8 +57,8 @@ class _Fitted:
 
 def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
     """False when the model's state alone (no activations, no batch) exceeds the GPU: no trace needed."""
-    from .memory.states import state_bytes
-    from .precision import policy_for
+    from ..memory.states import state_bytes
+    from ..precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     try:
@@ -78,8 +78,8 @@ def _fit_config(
     Kept with the traces (the fit, and the whole-share estimate beside it), so that a repeated plan
     traces nothing and replays no allocator.
     """
-    from .cache import CACHE
-    from .precision import policy_for
+    from ..cache import CACHE
+    from ..precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     settings = (config, gpus, share, margin, verify, wl.accumulation_steps)
@@ -136,11 +136,11 @@ def _may_fit_whole(
     does not, predicted from the plain steps the accumulating ones were written from where the cache has
     them (``memory/accumulation.py``; else from the accumulating step less its gradients, alive in it
     only), with an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
-    from .checkpointing import checkpoint_classes
-    from .memory.estimate import cached_trace, finish_estimate, with_accumulation
-    from .memory.scaling import TraceLine
-    from .memory.states import state_bytes
-    from .precision import policy_for
+    from ..checkpointing import checkpoint_classes
+    from ..memory.estimate import cached_trace, finish_estimate, with_accumulation
+    from ..memory.scaling import TraceLine
+    from ..memory.states import state_bytes
+    from ..precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     plain = with_accumulation(wl, 1)
@@ -159,7 +159,7 @@ def _may_fit_whole(
             return True
         slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards)
     if shards > 1:
-        from .memory.sharding import shard_trace
+        from ..memory.sharding import shard_trace
 
         trace = shard_trace(trace, shards)
     est = finish_estimate(trace, plain, share, dev, policy, classes)
@@ -170,9 +170,9 @@ def _may_fit_whole(
 
 def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
     """A fitted configuration as a plan option, with its predicted time per global batch."""
+    from ..memory.states import state_bytes
+    from ..precision import policy_for
     from .cost import predict_step_time
-    from .memory.states import state_bytes
-    from .precision import policy_for
 
     result, config = fitted.result, fitted.config
     splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=config.sharded)
@@ -209,11 +209,11 @@ def fit_estimate_at(
 ) -> Estimate:  # fmt: skip
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
     that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
-    from .cache import CACHE
-    from .checkpointing import checkpoint_classes
-    from .memory.estimate import finish_estimate, trace_for_device
-    from .memory.sharding import shard_trace
-    from .precision import policy_for
+    from ..cache import CACHE
+    from ..checkpointing import checkpoint_classes
+    from ..memory.estimate import finish_estimate, trace_for_device
+    from ..memory.sharding import shard_trace
+    from ..precision import policy_for
 
     policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
     classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)

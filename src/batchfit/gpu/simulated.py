@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .devices import Device, get_device
-from .memory.allocator import AllocatorStats, CachingAllocator
-from .memory.tracker import StorageTracker
-from .precision import PrecisionPolicy
-from .units import format_bytes, parse_bytes
+from ..memory.allocator import AllocatorStats, CachingAllocator
+from ..memory.tracker import StorageTracker
+from ..precision import PrecisionPolicy
+from ..units import format_bytes, parse_bytes
+from .catalog import Device, get_device
 
 
 class _DeviceStorages(StorageTracker):
@@ -106,7 +106,7 @@ class SimulatedDevice:
         if isinstance(capacity, Device) or (isinstance(capacity, str) and not capacity[:1].isdigit()):
             dev = get_device(capacity)  # type: ignore[arg-type]
             if dev.usable_bytes is None:
-                from .errors import ConfigError
+                from ..errors import ConfigError
 
                 raise ConfigError("a simulated device needs a capacity; give a GPU name or one like '8GiB', not cpu")
             self.device = dev
@@ -119,7 +119,7 @@ class SimulatedDevice:
         self._handles: dict[int, int] = {}
         self._tracker = _DeviceStorages(self._on_alloc, self._on_free, self._after_op)
         self._stack: contextlib.ExitStack | None = None
-        from .memory.cuda import CudaKernels
+        from ..memory.cuda import CudaKernels
 
         # One kernel model for the device's life: its cuBLAS workspaces, once allocated, stay (as on a
         # GPU, where each handle keeps its workspace), however often the device is entered.
@@ -175,7 +175,7 @@ class SimulatedDevice:
         Raises:
             torch.OutOfMemoryError: a copy does not fit (nothing of it stays on the device).
         """
-        from .batching import map_tensors
+        from ..batching import map_tensors
 
         def move(t: torch.Tensor) -> torch.Tensor:
             if self.holds(t):
@@ -219,7 +219,7 @@ class SimulatedDevice:
         return self._stack is not None
 
     def __enter__(self) -> SimulatedDevice:
-        from .memory.cuda import cuda_emulation
+        from ..memory.cuda import cuda_emulation
 
         if self._stack is not None:
             raise RuntimeError("this SimulatedDevice is already entered")
@@ -227,7 +227,7 @@ class SimulatedDevice:
         if self._policy is not None:
             stack.enter_context(cuda_emulation(self._policy)())
         else:
-            from .precision import policy_for
+            from ..precision import policy_for
 
             stack.enter_context(cuda_emulation(policy_for("fp32"))())
         stack.enter_context(self._tracker)
@@ -244,7 +244,7 @@ def _generic(capacity_bytes: int) -> Device:
     """A generic modern GPU whose allocator may reserve ``capacity_bytes`` (no context on top)."""
     import dataclasses
 
-    from .devices import generic_device
+    from .catalog import generic_device
 
     template = generic_device("80GiB")
     return dataclasses.replace(

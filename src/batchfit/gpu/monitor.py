@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from .memory.allocator import round_size
-from .memory.categories import Category
-from .units import GiB, KiB, MiB, format_bytes
+from ..memory.allocator import round_size
+from ..memory.categories import Category
+from ..units import GiB, KiB, MiB, format_bytes
 
 #: Measured peaks more than this fraction above the estimate are called out in ``describe``.
 TOLERANCE = 0.10

@@ -8,8 +8,8 @@ count, and a share that does not divide by the micro-batch is split into near-eq
 trainer weights every micro-batch by its item count, so any split is the same gradient.
 
 This module checks the request and assembles the ``Plan``; the configurations it tries are
-``plan_ladder.py``, fitting and timing one of them ``plan_options.py``, and what a plan says in words
-(advice, where a model would fit, a split) ``plan_messages.py``.
+``planning/ladder.py``, fitting and timing one of them ``planning/options.py``, and what a plan says in words
+(advice, where a model would fit, a split) ``planning/messages.py``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .batching import make_splits, rank_shares
-from .devices import Device, get_device
-from .errors import ConfigError, TraceError
-from .memory.estimate import Estimate, _as_workload
-from .plan_ladder import _ladder
-from .plan_messages import _nothing_fits, _warnings, describe_split
-from .plan_options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at
-from .plan_parallel import fit_ahead, resolve_workers
+from ..batching import make_splits, rank_shares
+from ..errors import ConfigError, TraceError
+from ..gpu.catalog import Device, get_device
+from ..memory.estimate import Estimate, _as_workload
+from .ladder import _ladder
+from .messages import _nothing_fits, _warnings, describe_split
+from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at
+from .parallel import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
 
@@ -134,15 +134,15 @@ def plan(
     """Plan ``global_batch_size`` items per optimizer step on ``gpus`` GPUs of ``device``.
 
     With ``precision`` and ``checkpointing`` left None, configurations are tried cheapest remedies
-    first (NOTE [ Remedies ranked by what they cost ] in ``plan_ladder.py``): accumulation alone,
+    first (NOTE [ Remedies ranked by what they cost ] in ``planning/ladder.py``): accumulation alone,
     mixed precision, FSDP sharding across the GPUs, activation checkpointing, bf16 weights and
     optimizer states; the first that fits is the plan, and up to ``ALTERNATIVES`` more that fit are
     shown beside it, fastest first, each with its memory and predicted time per global batch
-    (``batchfit.cost``; GPUs talk over ``interconnect``: nvlink, pcie or ib). A configuration whose
+    (``batchfit.planning.cost``; GPUs talk over ``interconnect``: nvlink, pcie or ib). A configuration whose
     parameters, gradients and optimizer states alone exceed the GPU is skipped without tracing.
     ``progress`` is called with a short description before each traced step. With ``workers`` > 1
     (default: the cores available, or ``BATCHFIT_WORKERS``), the configurations after the first are
-    fitted at the same time in forked processes (``plan_parallel.py``); the plan is the same.
+    fitted at the same time in forked processes (``planning/parallel.py``); the plan is the same.
 
     Raises:
         ConfigError: a global batch or GPU count below 1, fewer items than GPUs, a device with no
@@ -275,6 +275,6 @@ def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batc
             "give both base_lr and base_batch_size (--base-lr, --base-batch-size): a learning rate and the "
             "global batch it was tuned at"
         )
-    from .advice.lr import lr_scaling
+    from ..advice.lr import lr_scaling
 
     return lr_scaling(base_lr, base_batch_size, global_batch_size, rule, optimizer=wl.optimizer)

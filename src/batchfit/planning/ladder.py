@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .devices import Device
+from ..gpu.catalog import Device
 
 # NOTE [ Remedies ranked by what they cost ]
 # Accumulation is free for the maths, so every configuration first splits the global batch into

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .memory.estimate import _as_workload, check_batch_size
-from .memory.steps import loss_for_backward
-from .workload import trainable_parameters
+from ..memory.estimate import _as_workload, check_batch_size
+from ..memory.steps import loss_for_backward
+from ..workload import trainable_parameters
 
 #: A batch size within this fraction of the best throughput counts as "as fast" (the knee rule).
 KNEE_TOLERANCE = 0.03
@@ -94,7 +94,7 @@ def measurable_device(device: Any) -> torch.device:
     Raises:
         ConfigError: anything else, or ``cuda`` with no GPU visible.
     """
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     text = str(device).strip().lower()
     if text == "cpu":
@@ -118,7 +118,7 @@ def parse_batch_sizes(text: str, option: str = "--batch-sizes") -> list[int]:
     Raises:
         ConfigError: the text is empty or malformed, naming ``option`` and the entry at fault.
     """
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     example = f"e.g. {option} 1,2,4,8"
     if not text.strip():
@@ -154,7 +154,7 @@ def sweep(
         ConfigError: a device not on this machine (see :func:`measurable_device`), an empty or
             non-positive list of batch sizes, or fewer than one step.
     """
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     target = measurable_device(device)
     sizes = sorted(set(default_batch_sizes() if batch_sizes is None else batch_sizes))
@@ -176,7 +176,7 @@ def sweep(
     for i, b in enumerate(sizes):
         if progress is not None:
             progress(i, len(sizes), b)
-        from .batching import map_tensors
+        from ..batching import map_tensors
 
         batch = map_tensors(wl.batch(b), lambda t: t.to(target))
         seconds = _time_steps(model, optimizer, batch, wl.loss, steps, warmup, sync)
@@ -187,7 +187,7 @@ def sweep(
                 _time_steps(model, optimizer, batch, wl.loss, 1, 0, sync)
                 peak = int(torch.cuda.max_memory_allocated())
             else:
-                from .memory.measure import measure_cpu_peak
+                from ..memory.measure import measure_cpu_peak
 
                 peak = measure_cpu_peak(wl, b)
         del batch

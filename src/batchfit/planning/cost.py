@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 MATMUL_EFFICIENCY = 0.5
 """Fraction of the peak a training step's matrix products reach (typical model FLOPs utilisation)."""

@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
 
@@ -99,7 +99,7 @@ class FitAhead:
 
     def spawn(self, fit_one: Any) -> None:
         """Fork one child that claims and fits (``fit_one(config)``) configurations until none is left."""
-        from .cache import CACHE
+        from ..cache import CACHE
 
         parent = os.getpid()
         try:
@@ -183,7 +183,7 @@ class FitAhead:
         return bool(done)
 
     def _reap(self, pid: int, ok: bool) -> None:
-        from .cache import CACHE
+        from ..cache import CACHE
 
         read = self._reads.pop(pid)
         with os.fdopen(read, "rb") as f:
@@ -230,7 +230,7 @@ def fit_ahead(workload: Any, configs: list[Any], workers: int, fit_one: Any) -> 
 
 def _can_fork() -> bool:
     """Linux, and a disk cache that can be written (the only way a child's answer comes back)."""
-    from .cache import CACHE, cache_dir
+    from ..cache import CACHE, cache_dir
 
     if not (sys.platform.startswith("linux") and hasattr(os, "fork") and CACHE.enabled):
         return False
@@ -256,7 +256,7 @@ def _die_with(parent: int) -> None:
 
 def _cacheable(workload: Any) -> bool:
     """Whether the plan's facts about ``workload`` are kept on disk (how a child's answer comes back)."""
-    from .cache import Uncacheable, workload_digest
+    from ..cache import Uncacheable, workload_digest
 
     try:
         workload_digest(workload, None)

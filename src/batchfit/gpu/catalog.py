@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from .errors import ConfigError, UnknownNameError
-from .units import MiB, format_bytes, parse_bytes
+from ..errors import ConfigError, UnknownNameError
+from ..units import MiB, format_bytes, parse_bytes
 
 NOTE = (
     "CUDA context sizes assume CUDA >= 11.7 with lazy module loading, which PyTorch turns on by "

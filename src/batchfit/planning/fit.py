@@ -5,7 +5,7 @@ two more traces verify. No crash, and on a modelled device the answer is exact:
 Other tools find a batch size by crashing: doubling then bisecting (about ``2 log2 N`` real steps) or
 shrinking by 10% after every OOM. Here memory is known as a function of the batch size
 (``memory/scaling.py``), so the search costs replays of the allocator model, not steps. The search
-itself is ``fit_search.py``; this module picks the device, the budget and the means of verification,
+itself is ``planning/search.py``; this module picks the device, the budget and the means of verification,
 and reports the result.
 """
 
@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from .checkpointing import checkpoint_classes
-from .devices import Device, get_device
-from .errors import ConfigError
-from .fit_search import _MAX_BATCH, FitAttempt, _Search, _search_max
-from .memory.estimate import Estimate, _as_workload, with_accumulation
-from .memory.scaling import TraceLine
-from .memory.trace import MemoryTrace
-from .precision import PrecisionPolicy, policy_for
-from .simulated import SimulatedDevice
+from ..checkpointing import checkpoint_classes
+from ..errors import ConfigError
+from ..gpu.catalog import Device, get_device
+from ..gpu.simulated import SimulatedDevice
+from ..memory.estimate import Estimate, _as_workload, with_accumulation
+from ..memory.scaling import TraceLine
+from ..memory.trace import MemoryTrace
+from ..precision import PrecisionPolicy, policy_for
+from .search import _MAX_BATCH, FitAttempt, _Search, _search_max
 
 __all__ = ["FitAttempt", "FitResult", "fit"]
 
@@ -123,7 +123,7 @@ def fit(
     workload = with_accumulation(_as_workload(workload), accumulation_steps)
     if not isinstance(device, SimulatedDevice) and not (isinstance(device, str) and device.strip().lower() == "cuda"):
         # A modelled device: the answer is a function of the workload and these settings alone.
-        from .cache import CACHE
+        from ..cache import CACHE
 
         dev = get_device(device)
         blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
@@ -158,7 +158,7 @@ def _fit(
         dev = sim.device
         budget = int(sim.capacity_bytes * (1 - margin))
     elif isinstance(device, str) and device.strip().lower() == "cuda":
-        from ._cuda import cuda_device
+        from ..gpu._cuda import cuda_device
 
         dev = cuda_device()
         budget = int(dev.total_bytes * (1 - margin))  # type: ignore[operator]
@@ -193,7 +193,7 @@ def _fit(
             return ok
 
     elif isinstance(device, str) and device.strip().lower() == "cuda":
-        from ._cuda import cuda_step_fits
+        from ..gpu._cuda import cuda_step_fits
 
         def verify_real(b: int) -> bool:
             search.trials += 1
@@ -233,7 +233,7 @@ def _simulated_step_fits(
     workload: Any, batch_size: int, capacity: int, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> bool:
     """Run two real steps at ``batch_size`` inside a fresh simulated device; False on its OOM."""
-    from .memory.steps import build_for_steps, run_workload_steps
+    from ..memory.steps import build_for_steps, run_workload_steps
 
     # foreach: what torch picks for CUDA parameters, as the tracer does
     model, optimizer = build_for_steps(workload, policy.param_dtype, classes, foreach=True)

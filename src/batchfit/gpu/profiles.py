@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .devices import ConvWorkspace, Device, get_device
-from .errors import ProfileError, UnknownNameError
-from .units import format_bytes
+from ..errors import ProfileError, UnknownNameError
+from ..units import format_bytes
+from .catalog import ConvWorkspace, Device, get_device
 
 SCHEMA = "batchfit-device-profile/1"
 """The format written here; a file with another schema is refused rather than half-read."""

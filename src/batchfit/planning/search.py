@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .devices import Device
-from .errors import ConfigError, DoesNotFitError, TraceError
-from .memory.estimate import Estimate, finish_estimate, read_peak, trace_for_device
-from .memory.scaling import TraceLine
-from .memory.trace import MemoryTrace
-from .precision import PrecisionPolicy
-from .units import format_bytes
+from ..errors import ConfigError, DoesNotFitError, TraceError
+from ..gpu.catalog import Device
+from ..memory.estimate import Estimate, finish_estimate, read_peak, trace_for_device
+from ..memory.scaling import TraceLine
+from ..memory.trace import MemoryTrace
+from ..precision import PrecisionPolicy
+from ..units import format_bytes
 
 _MAX_BATCH = 1 << 40
 
@@ -77,7 +77,7 @@ class _Search:
 
     def _estimate(self, trace: MemoryTrace, b: int) -> Estimate:
         if self.shard_over > 1:
-            from .memory.sharding import shard_trace
+            from ..memory.sharding import shard_trace
 
             trace = shard_trace(trace, self.shard_over)
         return finish_estimate(
@@ -103,7 +103,7 @@ class _Search:
         context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
         trace = line.at(b)
         if self.shard_over > 1:
-            from .memory.sharding import shard_trace
+            from ..memory.sharding import shard_trace
 
             trace = shard_trace(trace, self.shard_over)
         held = read_peak(trace, rounded=not self.device.exact).peak_bytes

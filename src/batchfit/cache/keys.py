@@ -295,7 +295,7 @@ def _own_source() -> str:
 def _library_versions() -> tuple[str, ...]:
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version()]
     for name in ("transformers", "peft"):
@@ -312,15 +312,15 @@ def _structure(workload: Any, param_dtype: Any) -> Any:
 
     if isinstance(workload.model, nn.Module):
         return workload.model
-    from .memory.construct import fake_construction
-    from .memory.steps import default_dtype
+    from ..memory.construct import fake_construction
+    from ..memory.steps import default_dtype
 
     try:
         with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return workload.build_model()
     except Exception:  # noqa: BLE001 - a constructor that reads values: build it as the trace does
-        from .memory.trace import fake_model
+        from ..memory.trace import fake_model
 
         return fake_model(workload, param_dtype)
 
@@ -377,7 +377,7 @@ def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes:
         kernel = ("cpu", platform.machine(), platform.processor(), torch.get_num_threads(),
                   torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "")  # fmt: skip
     else:
-        from .memory.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
+        from ..memory.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
 
         kernel = ("cuda", device.cublas_workspace_bytes, device.cublas_handles, device.compute_capability,
                   _describe(device.conv_workspace), _describe(device.conv_workspace_benchmark),

@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .devices import LAZY_LOADING_MIN_CUDA, Device, get_device
-from .errors import ConfigError, ProfileError, UnknownNameError
-from .units import format_bytes
+from ..errors import ConfigError, ProfileError, UnknownNameError
+from ..units import format_bytes
+from .catalog import LAZY_LOADING_MIN_CUDA, Device, get_device
 
 LOADING_MODES = ("lazy", "eager")
 

@@ -1,0 +1,8 @@
+"""The planning stage: from a workload and a device to a micro-batch, a split and a ranked plan.
+
+``fit`` finds the largest micro-batch (``search`` holds its doubling-and-bisecting search);
+``plan`` splits a global batch into micro-batch x accumulation x GPUs, walking the remedies of
+``ladder`` and fitting each rung with ``options`` (side by side in ``parallel``), ranked by the time
+model of ``cost`` and explained by ``messages``; ``sweep`` measures throughput on this machine.
+Everything here reads traces through ``batchfit.memory``; nothing here traces on its own.
+"""
