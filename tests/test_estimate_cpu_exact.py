@@ -241,3 +241,19 @@ def test_counts_of_a_learned_router_are_assumed_even_and_exact_when_they_are(b: 
     est = batchfit.estimate(wl, b, device="cpu")
     assert any("spread evenly over 4 bins" in n for n in est.notes)
     assert est.peak_allocated_bytes == measure_cpu_peak(wl, b)
+
+
+def test_a_block_an_earlier_profile_left_behind_is_not_this_steps_free() -> None:
+    """The CPU allocator's reporter remembers blocks allocated under any earlier profile; dropping one
+    (a cache a previous model filled) during a measurement is not memory the measured step freed."""
+    from batchfit.memory.measure import cpu_memory_profile, profile_peak
+
+    kept = [torch.empty(1000)]  # 4000 B, made before any profile: its free is never reported
+    with cpu_memory_profile():
+        kept.append(torch.empty(2000))  # 8000 B made under an earlier profile, kept past it
+    with cpu_memory_profile() as prof:
+        kept.clear()
+        x = torch.empty(250)  # 1000 B
+        y = torch.empty(500)  # 2000 B
+        del x, y
+    assert profile_peak(prof, 0) == 3000

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpointing import model_layers as checkpoint_layers
 from ..errors import ConfigError
 from ..workload import Workload
 from ._common import RepeatedItems, one_line, require
@@ -28,21 +29,6 @@ def _base(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (for its config, class and forward signature)."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
-
-
-def checkpoint_layers(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The layer classes ``activation_checkpointing_enable`` checkpoints: ``GradientCheckpointingLayer``
-    subclasses (transformers >= 4.52), else the model's ``_no_split_modules`` (its repeated blocks)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer as layer
-    except ImportError:  # transformers < 4.52
-        layer = None
-    names = set(getattr(_base(model), "_no_split_modules", None) or ())
-    found: dict[type, None] = {}
-    for module in model.modules():
-        if (layer is not None and isinstance(module, layer)) or (layer is None and type(module).__name__ in names):
-            found.setdefault(type(module), None)
-    return tuple(found)
 
 
 def accepts_loss_kwargs(model: nn.Module) -> bool:

@@ -278,25 +278,77 @@ class _SavedNumbers(TorchFunctionMode):
             isinstance(a, (int, float)) and not isinstance(a, bool) for a in (*args, *kwargs.values())
         ):
             return out
-        # Reading ``_saved_*`` unpacks every saved tensor; under other saved-tensor hooks (activation
-        # checkpointing's) that would recompute or hold tensors, so only look under the tracer's own.
+        # Reading ``_saved_*`` unpacks a saved tensor through its hooks; under other saved-tensor hooks
+        # (activation checkpointing's, in a checkpointed block's forward and in its recomputation) that
+        # would recompute or hold tensors. Wrapped numbers are never hooked, so there only the fields
+        # whose raw saved tensor has no unpack hook are read (a torch that cannot say: none are).
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] != self._own_pack:
-            return out
+        own = top is None or top[0] == self._own_pack
         for t in out if isinstance(out, (tuple, list)) else (out,):
             node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
             if node is None:
                 continue
             for name in dir(node):
-                if name.startswith("_saved_"):
-                    value = getattr(node, name, None)
-                    if isinstance(value, torch.Tensor) and value.dim() == 0 and not isinstance(value, FakeTensor):
-                        self._register(value)
+                if not name.startswith("_saved_") or not (own or _unhooked(node, name)):
+                    continue
+                value = getattr(node, name, None)
+                if isinstance(value, torch.Tensor) and value.dim() == 0 and not isinstance(value, FakeTensor):
+                    self._register(value)
         return out
+
+
+def _unhooked(node: Any, name: str) -> bool:
+    """Whether autograd ``node``'s saved field ``name`` (``_saved_x``) was saved without hooks."""
+    raw = getattr(node, "_raw" + name, None)
+    return raw is not None and hasattr(raw, "unpack_hook") and raw.unpack_hook is None
 
 
 @contextlib.contextmanager
 def counted_saved_numbers(register: Callable[[Any], Any], own_pack: Callable[[Any], Any]) -> Iterator[None]:
-    """While active, Python numbers saved for backward are counted (see ``_SavedNumbers``)."""
-    with _SavedNumbers(register, own_pack):
+    """While active, Python numbers saved for backward are counted (see ``_SavedNumbers``), in
+    checkpointing's recomputations too (``_recomputations_seen_by``)."""
+    mode = _SavedNumbers(register, own_pack)
+    with _recomputations_seen_by(mode), mode:
+        yield
+
+
+def _under_mode(mode: TorchFunctionMode, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` with torch-function ``mode`` active (entered again unless it already is)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if any(m is mode for m in _get_current_function_mode_stack()):
+        return call(*args)
+    with mode:
+        return call(*args)
+
+
+@contextlib.contextmanager
+def _recomputations_seen_by(mode: TorchFunctionMode) -> Iterator[None]:
+    """Activation checkpointing recomputes a block inside backward, where the autograd engine does not
+    carry torch-function modes (dispatch modes it does): the numbers that recomputation saves would go
+    uncounted, though the real step holds them while the recomputed block's graph lives. Both of
+    ``torch.utils.checkpoint``'s recomputations are run with ``mode`` entered again: the non-reentrant
+    frame's ``recompute_fn`` and the reentrant ``CheckpointFunction.backward``. A torch without them
+    is left as it is (those numbers, 8 bytes each, then go uncounted on CPU targets)."""
+    from torch.utils import checkpoint as ck
+
+    frame_cls = getattr(ck, "_CheckpointFrame", None)
+    function_cls = getattr(ck, "CheckpointFunction", None)
+    with contextlib.ExitStack() as stack:
+        if frame_cls is not None:
+            init = frame_cls.__init__
+
+            def frame_init(self: Any, recompute_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+                init(self, functools.partial(_under_mode, mode, recompute_fn), *args, **kwargs)
+
+            frame_cls.__init__ = frame_init
+            stack.callback(setattr, frame_cls, "__init__", init)
+        if function_cls is not None and isinstance(function_cls.__dict__.get("backward"), staticmethod):
+            backward = function_cls.__dict__["backward"]
+
+            def function_backward(ctx: Any, *args: Any) -> Any:
+                return _under_mode(mode, backward.__func__, ctx, *args)
+
+            function_cls.backward = staticmethod(function_backward)
+            stack.callback(setattr, function_cls, "backward", backward)
         yield

@@ -74,11 +74,51 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for t in tree_flatten(held)[0] if isinstance(t, torch.Tensor)]
 
 
+def _allocation_events(prof: Any) -> list[tuple[int, int, int]] | None:
+    """``(time_ns, address, bytes)`` of every CPU allocation (bytes > 0) and free (< 0), in time order
+    (stable: events of one nanosecond keep the profiler's order); None where the profiler's event
+    tree is not available."""
+    try:
+        from torch._C._profiler import _EventType
+
+        tree = prof.profiler.kineto_results.experimental_event_tree()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    events: list[tuple[int, int, int]] = []
+    stack = list(tree)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    events.sort(key=lambda event: event[0])
+    return events
+
+
 def profile_peak(prof: Any, start_bytes: int = 0) -> int:
-    """The peak of ``start_bytes`` + the running sum of the profiler's ``[memory]`` events."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    """The peak of ``start_bytes`` + the running sum of the profiler's CPU allocation events.
+
+    A free counts only when its block was allocated while this profile ran: the CPU allocator's
+    reporter remembers the sizes of blocks allocated under *any* earlier profile, so a block an
+    earlier measurement left in a cache (a library's, kept across models) and that is dropped during
+    this one would show as a free of memory this step never had, a peak too low by its size.
+    """
+    events = _allocation_events(prof)
+    if events is None:  # older torch: the flat list of [memory] events (no addresses)
+        memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events = sorted(((e.start_ns(), 0, e.nbytes()) for e in memory), key=lambda event: event[0])
+        allocated = None
+    else:
+        allocated = set()
     live = peak = start_bytes
-    for _, n in events:
+    for _, address, n in events:
+        if allocated is not None:
+            if n > 0:
+                allocated.add(address)
+            elif address in allocated:
+                allocated.discard(address)
+            else:
+                continue
         live += n
         peak = max(peak, live)
     return peak

@@ -148,6 +148,25 @@ def build_from_config(config: Any, class_name: str) -> nn.Module:
         return cls(config)
 
 
+def config_layers(config: Any, class_name: str) -> tuple[type[nn.Module], ...]:
+    """The layer classes ``class_name``'s model of ``config`` checkpoints (``checkpointing.model_layers``),
+    read off the model built on the meta device (no memory, a fraction of a second for 8B); none when
+    it cannot be built there."""
+    import warnings
+
+    import torch
+
+    from ..checkpointing import model_layers
+
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build_from_config(config, class_name)
+    except Exception:  # noqa: BLE001 - a model meta cannot build: the trace itself will say what fails
+        return ()
+    return model_layers(model)
+
+
 def workload_from_config(
     config: Any,
     *,
@@ -187,7 +206,7 @@ def workload_from_config(
     model: Any = partial(build_from_config, config, class_name)
     named = name or getattr(config, "_name_or_path", "") or class_name
     label = f"{named} ({chosen.name}, {item_shape(config, chosen, length)})"
-    blocks: tuple[type[nn.Module], ...] = ()
+    blocks = config_layers(config, class_name)
     if lora is not None:
         from .lora import with_adapters
 

@@ -303,7 +303,7 @@ class Trainer:
 
             classes = checkpoint_classes("blocks", workload.checkpoint_blocks)
             wrapped = apply_checkpointing(self.model, classes)
-            log.info("the plan needs activation checkpointing: %d blocks of %s wrapped", wrapped, classes)
+            log.info("the plan needs activation checkpointing: %d blocks of %s checkpointed", wrapped, classes)
         self.plan, self.micro_batch_size = plan, planned_micro_batch_size(plan, self.global_batch_size)
         self.sharded = self.sharded or (bool(getattr(plan, "sharded", False)) and self.world_size > 1)
         mine = planned_splits(
