@@ -6,7 +6,7 @@ model and a built-in preset go through exactly the same code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,16 +90,31 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _held_by(obj: Any, depth: int) -> Iterator[torch.Tensor]:
+    """Tensors in ``obj``'s attributes, following plain objects (not modules) ``depth`` levels down."""
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif depth > 0 and not isinstance(value, (nn.Module, type)) and hasattr(value, "__dict__"):
+            yield from _held_by(value, depth - 1)
+
+
 def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor the model holds before a step: parameters, buffers, and plain tensor attributes.
 
     A module may keep tensors that are neither parameters nor buffers (``self.ids = torch.arange(n)``,
     or a dict of them, as peft's prompt tuning does); they occupy memory from construction on, like
     the weights. Attributes are looked at one container deep (a tensor, or a dict/list/tuple of them).
+    A parameter may carry tensors of its own too: a quantised weight's scales and codes hang off it
+    (bitsandbytes' ``weight.quant_state``, and its nested state; ``weight.SCB``).
     """
     seen: dict[int, torch.Tensor] = {}
     for t in [*model.parameters(), *model.buffers()]:
         seen.setdefault(id(t), t)
+    for p in model.parameters():
+        if vars(p):  # a plain parameter has no attributes: nothing to walk
+            for t in _held_by(p, depth=2):
+                seen.setdefault(id(t), t)
     for module in model.modules():
         for name, value in vars(module).items():
             if name.startswith("_"):

@@ -13,6 +13,7 @@ structure. A factory whose model depends on what it reads from files is keyed by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -203,6 +204,8 @@ def _describe(obj: Any, seen: set[int] | None = None) -> Any:
     seen = set() if seen is None else seen
     if isinstance(obj, _SIMPLE):
         return obj
+    if obj is getattr(dataclasses, "_HAS_DEFAULT_FACTORY", None):  # a dataclass __init__'s default_factory marker
+        return "<default factory>"
     key = id(obj)
     if key in seen:  # recursion (a function calling itself, mutually recursive helpers)
         return ("<seen>", getattr(obj, "__qualname__", type(obj).__name__))

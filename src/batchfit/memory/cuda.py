@@ -39,6 +39,9 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    allocator after its output and frees it on return; which calls use cuDNN and how large the
    workspace is assumed to be are in ``memory/cudnn.py`` (NOTE [ cuDNN convolution workspaces ]).
    They are added as transient allocations right after the op's outputs.
+8. Quantised matmuls. bitsandbytes' 4-bit matmul dequantises the whole weight on CUDA (added as the
+   op's transient scratch), and its 8-bit matmul takes another branch on CUDA than on the CPU
+   (``memory/quantized.py``).
 
 Limitations:
     cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
@@ -59,7 +62,7 @@ import torch.nn.functional as F
 
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
-from . import cudnn
+from . import cudnn, quantized
 
 # -- 4. cuBLAS workspace ----------------------------------------------------------------------------
 _GEMMS = frozenset(
@@ -76,6 +79,16 @@ _GEMMS = frozenset(
 )
 
 
+class _WatchedOps:
+    """The ops ``CudaKernels.after_op`` acts on: GEMMs, cuDNN's, and bitsandbytes' (whichever are loaded)."""
+
+    def __init__(self, ops: frozenset) -> None:
+        self._ops = ops
+
+    def __contains__(self, func: object) -> bool:
+        return func in self._ops or quantized.is_quantized_op(func)
+
+
 class CudaKernels:
     """The tracer's kernel model for a CUDA device: adds cuBLAS and cuDNN workspaces where CUDA allocates them.
 
@@ -85,7 +98,7 @@ class CudaKernels:
             (``device.cudnn_benchmark`` turns benchmark on as well).
     """
 
-    watched_ops = _GEMMS | cudnn.OPS
+    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS)
     """The ops ``after_op`` acts on (the tracer calls it for no other)."""
 
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
@@ -102,6 +115,11 @@ class CudaKernels:
             for call in cudnn.workspaces(func, args, kwargs, self._conv_ratios, self.cudnn_flags):
                 if call.nbytes > 0:
                     tracer.add_scratch(call.nbytes, call.label, transient=True)
+            return
+        if quantized.is_quantized_op(func):  # NOTE, item 8: alive together inside the op, freed on return
+            sids = [tracer.add_scratch(n, label, transient=False) for n, label in quantized.gemm_4bit_scratch(
+                func, args, kwargs)]  # fmt: skip
+            tracer.free_scratch(reversed(sids))
             return
         if func not in _GEMMS:
             return
@@ -350,6 +368,7 @@ def cuda_emulation(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractC
             if policy.autocast_dtype is not None:
                 stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_kernel_routing())
+            stack.enter_context(quantized.cuda_int8_matmul())
             yield
 
     return emulate

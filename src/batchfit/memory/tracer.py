@@ -211,6 +211,11 @@ class Tracer:
             t.events.append(~sid)
         return sid
 
+    def free_scratch(self, sids: Any) -> None:
+        """Free scratch ``add_scratch`` recorded as kept (several buffers alive together inside one op)."""
+        for sid in sids:
+            self.trace.events.append(~sid)
+
     @property
     def phase(self) -> str:
         """The phase of the step being traced."""

@@ -88,7 +88,7 @@ def real_of(t: Any) -> torch.Tensor | None:
     if not isinstance(t, FakeTensor):
         return t
     storage = getattr(t.untyped_storage(), _REAL, None)
-    if storage is None:
+    if storage is None or storage.device.type == "meta":  # a shadow made under torch.device("meta") holds no value
         return None
     with _disable_current_modes():
         return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())

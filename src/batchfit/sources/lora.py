@@ -2,7 +2,8 @@
 
 The adapters come from ``peft`` itself (``get_peft_model``), so what is estimated is the model a user
 trains: the base frozen (no gradients, no optimizer state), the adapters trainable, and the forward
-through peft's own layers (their dropout and scaling included).
+through peft's own layers (their dropout and scaling included). QLoRA (``quant=nf4``) quantises the
+base first and prepares it as peft's ``prepare_model_for_kbit_training`` does (``sources/quant.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from .quant import QuantSpec
 
 METHODS = ("lora", "ia3")
 
@@ -33,12 +35,16 @@ class LoraSpec:
     """Module names to adapt, ``"all-linear"``, or None for peft's defaults for the model type."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other peft config fields, passed through (e.g. ``modules_to_save``)."""
+    quant: QuantSpec | None = None
+    """Quantised base weights (QLoRA: ``QuantSpec("nf4")``); None keeps the base in the load dtype."""
 
     def describe(self) -> str:
+        base = f" ({self.quant.describe()})" if self.quant is not None else ""
         if self.method == "ia3":
-            return "IA3"
+            return "IA3" + base
         targets = self.targets if isinstance(self.targets, str) else "+".join(self.targets or ("default",))
-        return f"LoRA r={self.r} on {targets}"
+        name = "QLoRA" if self.quant is not None and self.quant.kind != "int8" else "LoRA"
+        return f"{name} r={self.r} on {targets}{base}"
 
     def peft_config(self) -> Any:
         """The ``peft`` config object (imports peft).
@@ -76,9 +82,10 @@ def parse_lora(text: str, *, targets: str | None = None, method: str = "lora") -
         if not sep or not value:
             raise ConfigError(f"--lora takes KEY=VALUE pairs separated by commas, got {part!r}; e.g. r=16,alpha=32")
         values[key] = value
-    unknown = sorted(set(values) - {"r", "alpha", "dropout", "targets", "method"})
+    keys = ("r", "alpha", "dropout", "targets", "method", "quant", "double_quant", "compute")
+    unknown = sorted(set(values) - set(keys))
     if unknown:
-        raise ConfigError(f"unknown --lora key {', '.join(unknown)}; valid: r, alpha, dropout, targets, method")
+        raise ConfigError(f"unknown --lora key {', '.join(unknown)}; valid: {', '.join(keys)}")
     method = values.pop("method", method).lower()
     if method not in METHODS:
         raise ConfigError(f"unknown adapter method {method!r}; use one of {', '.join(METHODS)}")
@@ -97,7 +104,20 @@ def parse_lora(text: str, *, targets: str | None = None, method: str = "lora") -
     if chosen:
         chosen = chosen.strip()
         parsed = chosen if chosen == "all-linear" else tuple(t for t in chosen.replace(",", "+").split("+") if t)
-    return LoraSpec(method=method, r=r, alpha=alpha, dropout=dropout, targets=parsed)
+    return LoraSpec(method=method, r=r, alpha=alpha, dropout=dropout, targets=parsed, quant=_parse_quant(values))
+
+
+def _parse_quant(values: dict[str, str]) -> QuantSpec | None:
+    """``quant=nf4[,double_quant=false][,compute=fp16]`` as a ``QuantSpec`` (None without ``quant``)."""
+    if "quant" not in values:
+        if "double_quant" in values or "compute" in values:
+            raise ConfigError("--lora double_quant and compute apply to quantised bases; add quant=nf4 (or fp4, int8)")
+        return None
+    double = values.get("double_quant", "true").lower()
+    if double not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"--lora double_quant must be true or false, got {double!r}")
+    return QuantSpec(kind=values["quant"].lower(), double_quant=double in ("true", "1", "yes"),
+                     compute_dtype=values.get("compute", "bf16").lower())  # fmt: skip
 
 
 def with_adapters(factory: Callable[[], nn.Module], spec: LoraSpec) -> nn.Module:
@@ -110,6 +130,10 @@ def with_adapters(factory: Callable[[], nn.Module], spec: LoraSpec) -> nn.Module
     import peft
 
     base = factory()
+    if spec.quant is not None:
+        from .quant import prepare_for_training, quantize
+
+        base = prepare_for_training(quantize(base, spec.quant))
     try:
         return peft.get_peft_model(base, config)
     except (ValueError, KeyError, TypeError) as e:
