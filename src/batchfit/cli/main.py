@@ -69,6 +69,12 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Show other libraries' warnings and logs (hidden by default); anywhere on the line."
+        ),
+    ] = False,
 ) -> None:
     """Make any batch size trainable on the GPU memory you have."""
 
@@ -351,8 +357,12 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns the exit code (the console script passes it to ``sys.exit``).
     """
+    from .quiet import take_verbose, third_party_output
+
+    args, verbose = take_verbose(list(sys.argv[1:] if argv is None else argv))
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="batchfit")
+        with third_party_output(verbose):
+            rv = app(args=args, standalone_mode=False, prog_name="batchfit")
     except BatchfitError as exc:
         sys.stderr.write(f"batchfit: error: {exc}\n")
         return 2

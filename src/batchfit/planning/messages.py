@@ -25,6 +25,21 @@ def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[s
     return (text,) if text else ()
 
 
+_AN_LETTERS = frozenset("AEFHILMNORSX")  # letters whose names start with a vowel sound: "an H100", "an L4"
+
+
+def with_article(name: str) -> str:
+    """``name`` after "a" or "an" as it is read aloud: "an A100-40GB", "an H100-80GB", "an L4", "a V100-16GB",
+    "an 80GB GPU" (eighty), "an 11GB GPU" (eleven), "a T4"."""
+    head = name.lstrip()[:1].upper()
+    if head.isdigit():
+        digits = "".join(c for c in name.lstrip() if c.isdigit())
+        vowel = digits.startswith("8") or (digits[:2] in ("11", "18") and len(digits) in (2, 5, 8))
+    else:
+        vowel = head in _AN_LETTERS
+    return f"{'an' if vowel else 'a'} {name}"
+
+
 def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
     """One line naming where it would fit: the smallest catalog GPU, or enough GPUs to shard over."""
     unsharded = [r for r in rungs if not r.sharded] or rungs
@@ -38,7 +53,7 @@ def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> Does
             fit(wl, other, precision=p, checkpointing=ck, verify=False)
         except DoesNotFitError:
             continue
-        where.append(f"a {other.name} ({p}{' + checkpointing' if ck else ''})")
+        where.append(f"{with_article(other.name)} ({p}{' + checkpointing' if ck else ''})")
         break
     for n in (2, 4, 8, 16, 32, 64):
         if n <= gpus:
