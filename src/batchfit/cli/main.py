@@ -24,6 +24,7 @@ from .options import (
     CudaLoadingOpt,
     CudnnBenchmarkOpt,
     DeviceOpt,
+    FusedLossOpt,
     HfArgsOpt,
     InterconnectName,
     InterconnectOpt,
@@ -96,6 +97,7 @@ def estimate(
     task: TaskOpt = None,
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
+    fused_loss: FusedLossOpt = None,
     set_: SetOpt = None,
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
@@ -109,7 +111,7 @@ def estimate(
     check_batch_size(batch_size, "--batch-size")
     check_batch_size(accumulation_steps, "--accumulation-steps")
     dev = opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark)
-    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
+    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets, fused_loss)
     est = run_estimate(
         wl,
         batch_size,
@@ -176,6 +178,7 @@ def fit_command(
     task: TaskOpt = None,
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
+    fused_loss: FusedLossOpt = None,
     set_: SetOpt = None,
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
@@ -188,7 +191,7 @@ def fit_command(
 
     check_batch_size(accumulation_steps, "--accumulation-steps")
 
-    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
+    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets, fused_loss)
     with opts.progress(as_json) as show:
         result = fit(
             wl,
@@ -235,6 +238,7 @@ def plan_command(
     task: TaskOpt = None,
     lora: LoraOpt = None,
     lora_targets: LoraTargetsOpt = None,
+    fused_loss: FusedLossOpt = None,
     set_: SetOpt = None,
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
@@ -250,7 +254,7 @@ def plan_command(
         from ..integrations.transformers import training_arguments_planner
 
         planner = training_arguments_planner(hf_args)
-    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets)
+    wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets, fused_loss)
     with opts.progress(as_json) as show:
         result = planner(
             wl,

@@ -35,6 +35,14 @@ LoraOpt = Annotated[
 LoraTargetsOpt = Annotated[
     str | None, typer.Option("--lora-targets", help="Modules to adapt: all-linear, or names joined by +.")
 ]
+FusedLossOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fused-loss",
+        help="Train a causal LM with a fused linear cross-entropy: liger (Liger's) or cce (cut cross-entropy); "
+        "the logits are never materialised.",
+    ),
+]
 DeviceOpt = Annotated[
     str, typer.Option("--device", "-d", help="A catalog GPU (see `batchfit gpus`), a capacity like 24GiB, or cpu.")
 ]
@@ -135,13 +143,14 @@ def workload(
     task: str | None = None,
     lora: str | None = None,
     lora_targets: str | None = None,
+    fused_loss: str | None = None,
 ) -> Any:
     from ..sources import load, parse_lora
 
     adapters = None
     if lora is not None or lora_targets is not None:
         adapters = parse_lora(lora or "", targets=lora_targets)
-    return load(preset, task=task, lora=adapters, **overrides(seq_len, optimizer, sets))
+    return load(preset, task=task, lora=adapters, fused_loss=fused_loss, **overrides(seq_len, optimizer, sets))
 
 
 def device(

@@ -225,7 +225,7 @@ class SimulatedDevice:
             raise RuntimeError("this SimulatedDevice is already entered")
         stack = contextlib.ExitStack()
         if self._policy is not None:
-            stack.enter_context(cuda_emulation(self._policy)())
+            stack.enter_context(cuda_emulation(self._policy, self.device.compute_capability)())
         else:
             from ..precision import policy_for
 

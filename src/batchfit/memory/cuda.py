@@ -359,8 +359,12 @@ def cuda_autocast_policy() -> Iterator[list[str]]:
         yield list(changed)
 
 
-def cuda_emulation(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the context that makes a fake-CPU trace allocate like CUDA (NOTE, items 1-3)."""
+def cuda_emulation(
+    policy: PrecisionPolicy, capability: tuple[int, int] = (8, 0)
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context that makes a fake-CPU trace allocate like CUDA (NOTE, items 1-3 and 8) on a
+    GPU of ``capability`` (which some libraries' branches read: ``memory/fused_loss.py``)."""
+    from .fused_loss import target_capability
 
     @contextlib.contextmanager
     def emulate() -> Iterator[None]:
@@ -369,6 +373,7 @@ def cuda_emulation(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractC
                 stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_kernel_routing())
             stack.enter_context(quantized.cuda_int8_matmul())
+            stack.enter_context(target_capability(capability))
             yield
 
     return emulate

@@ -329,7 +329,7 @@ def _trace_for_device(
         from .cuda import CudaKernels, cuda_emulation
 
         kernels = CudaKernels(device)
-        emulation = cuda_emulation(policy)
+        emulation = cuda_emulation(policy, device.compute_capability)
     return trace_workload(
         workload,
         batch_size,

@@ -127,6 +127,7 @@ def _trace_steps(
     steps: int,
 ) -> MemoryTrace:
     from .compat import counted_rng_states, counted_saved_numbers
+    from .fused_loss import fused_losses_traced
     from .steps import run_workload_steps
 
     tracer = Tracer(model, optimizer, kernels)
@@ -141,7 +142,8 @@ def _trace_steps(
         rng = counted_rng_states(tracer.register_kept)
         numbers = counted_saved_numbers(tracer.register_kept, tracer.saved_pack)
     try:
-        with emulate, tracer, rng, numbers:
+        with emulate, fused_losses_traced() as replaced, tracer, rng, numbers:
+            notes.extend(replaced)
             run_workload_steps(
                 workload,
                 model,

@@ -8,7 +8,9 @@
   the model is built from its config alone (``sources/hub.py``), its task head from the config's
   ``architectures`` (or ``task=``).
 
-Any of them can be fine-tuned through adapters (``lora=``, a ``LoraSpec`` or a ``--lora`` string).
+Any of them can be fine-tuned through adapters (``lora=``, a ``LoraSpec`` or a ``--lora`` string), and a
+causal language model can be trained with a fused linear cross-entropy (``fused_loss="liger"`` or
+``"cce"``, ``sources/fused.py``).
 """
 
 from __future__ import annotations
@@ -102,7 +104,14 @@ def with_lora(workload: Workload, lora: LoraSpec | str) -> Workload:
     )
 
 
-def load(spec: str, *, task: str | None = None, lora: LoraSpec | str | None = None, **overrides: Any) -> Workload:
+def load(
+    spec: str,
+    *,
+    task: str | None = None,
+    lora: LoraSpec | str | None = None,
+    fused_loss: str | None = None,
+    **overrides: Any,
+) -> Workload:
     """The workload ``spec`` names (see the module docstring), with ``overrides`` applied.
 
     Args:
@@ -110,11 +119,14 @@ def load(spec: str, *, task: str | None = None, lora: LoraSpec | str | None = No
             a ``config.json``.
         task: the training task of a hub model (``causal-lm``, ``text-classification``, ...).
         lora: adapters to fine-tune instead of the whole model.
+        fused_loss: ``"liger"`` or ``"cce"``: the loss of a causal language model as a fused linear
+            cross-entropy computes it (no logits materialised).
         overrides: preset knobs / function arguments; for a hub model ``seq_len``, ``optimizer``,
             ``lr`` and any config field (``num_hidden_layers=2``).
 
     Raises:
-        ConfigError: one line naming the fix (unknown name, unreadable file, missing config, ...).
+        ConfigError: one line naming the fix (unknown name, unreadable file, missing config, a fused loss on
+            a model that is not a causal language model, ...).
     """
     from .. import presets
     from .hub import looks_like_config
@@ -138,4 +150,8 @@ def load(spec: str, *, task: str | None = None, lora: LoraSpec | str | None = No
         )  # fmt: skip
     if task is not None and not hub:
         raise ConfigError("--task applies to hub models and config files, not to presets or workload functions")
+    if fused_loss is not None:
+        from .fused import with_fused_loss
+
+        workload = with_fused_loss(workload, fused_loss)
     return with_lora(workload, lora) if lora else workload

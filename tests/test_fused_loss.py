@@ -1,0 +1,147 @@
+"""Fused linear cross-entropy losses (Liger, cut cross-entropy): no logits materialised, exact on the CPU,
+and found in a user's own loss."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import batchfit
+from batchfit.errors import ConfigError
+from batchfit.gpu.catalog import get_device
+from batchfit.memory.estimate import trace_for_device
+from batchfit.memory.fused_loss import liger_loss
+from batchfit.memory.measure import measure_cpu_peak
+from batchfit.models import hf
+from batchfit.precision import policy_for
+
+pytestmark = pytest.mark.skipif(not hf.available(), reason="needs transformers")
+
+VOCAB, SEQ, BATCH = 4096, 128, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _workload(fused: str | None, lora: str | None = None, vocab: int = VOCAB) -> batchfit.Workload:
+    import transformers
+
+    from batchfit.sources.fused import with_fused_loss
+    from batchfit.sources.hub import workload_from_config
+    from batchfit.sources.lora import parse_lora
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=SEQ)  # fmt: skip
+    wl = workload_from_config(config, task="causal-lm", seq_len=SEQ, lora=parse_lora(lora) if lora else None)
+    return with_fused_loss(wl, fused) if fused else wl
+
+
+@pytest.mark.parametrize("fused", ["liger", "cce"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+@pytest.mark.parametrize("lora", [None, "r=4"])
+def test_fused_losses_are_exact_on_the_cpu(fused: str, precision: str, lora: str | None) -> None:
+    wl = _workload(fused, lora, vocab=256)
+    est = batchfit.estimate(wl, 2, device="cpu", precision=precision)
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, 2, precision=precision)
+
+
+def test_liger_in_fp32_is_exact_on_the_cpu_and_cut_cross_entropy_refuses_it() -> None:
+    wl = _workload("liger", vocab=256)
+    assert batchfit.estimate(wl, 2, device="cpu").peak_allocated_bytes == measure_cpu_peak(wl, 2)
+    with pytest.raises(ConfigError, match="16-bit hidden states.*--precision bf16"):
+        batchfit.estimate(_workload("cce", vocab=256), 2, device="cpu")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+def test_no_storage_holds_the_logits_with_a_fused_loss(precision: str) -> None:
+    tokens = BATCH * SEQ
+    gpu, policy = get_device("A100-80GB"), policy_for(precision)
+    largest = {}
+    for fused in (None, "liger", "cce"):
+        trace = trace_for_device(_workload(fused), BATCH, gpu, policy, ())
+        # storages of the step (kernel scratch, the cuBLAS workspace among it, has ids from 1 << 40)
+        largest[fused] = max(n for s, n in trace.nbytes.items() if trace.op.get(s) != "param" and s < 1 << 40)
+    assert largest[None] >= tokens * VOCAB * 4  # the default loss upcasts the logits to fp32
+    chunk = 8  # Liger: next_power_of_2(ceil(512 / ceil(4096 / 64)))
+    assert largest["liger"] < tokens * VOCAB  # never a whole logits tensor, even in 16 bits
+    assert largest["cce"] < tokens * VOCAB
+    assert largest["liger"] >= chunk * VOCAB * 2 or largest["liger"] == VOCAB * 64 * 4  # a chunk, or a weight
+    fused = batchfit.estimate(_workload("liger"), BATCH, device="A100-80GB", precision=precision)
+    plain = batchfit.estimate(_workload(None), BATCH, device="A100-80GB", precision=precision)
+    assert fused.peak_allocated_bytes < plain.peak_allocated_bytes
+
+
+class _NeedsTriton(torch.autograd.Function):
+    """Liger's autograd function as far as a machine without Triton can run it: not at all."""
+
+    @staticmethod
+    def forward(ctx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN205
+        raise RuntimeError("Liger's kernels need Triton on a GPU")
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: ANN001, ANN002, ANN205
+        raise RuntimeError("Liger's kernels need Triton on a GPU")
+
+
+def test_a_users_own_liger_loss_is_found_and_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("liger_kernel.ops.fused_linear_cross_entropy")
+    module.LigerFusedLinearCrossEntropyFunction = _NeedsTriton
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", module)
+
+    def model() -> nn.Module:
+        return nn.ModuleDict({"body": nn.Embedding(256, 32), "head": nn.Linear(32, 1024, bias=False)})
+
+    def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 256, (b, 16)), torch.randint(0, 1024, (b, 16))
+
+    def own(m: nn.ModuleDict, data: tuple) -> torch.Tensor:  # a training script calling Liger by hand
+        hidden = m["body"](data[0]).view(-1, 32)
+        return module.LigerFusedLinearCrossEntropyFunction.apply(hidden, m["head"].weight, data[1].view(-1))[0]
+
+    def reference(m: nn.ModuleDict, data: tuple) -> torch.Tensor:
+        return liger_loss(m["body"](data[0]), m["head"].weight, data[1], shift=False)
+
+    est = batchfit.estimate(batchfit.Workload(model=model, batch=batch, loss=own), 4, device="A100-80GB")
+    ref = batchfit.estimate(batchfit.Workload(model=model, batch=batch, loss=reference), 4, device="A100-80GB")
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert any("Liger" in n for n in est.notes)
+    assert module.LigerFusedLinearCrossEntropyFunction.forward is _NeedsTriton.forward  # put back after the trace
+
+
+def test_fused_loss_input_is_checked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    import transformers
+
+    from batchfit.sources import load
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="unknown fused loss 'flash'; use one of liger, cce"):
+        _workload("flash")
+    d = tmp_path / "classifier"
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             vocab_size=64, architectures=["LlamaForSequenceClassification"]).save_pretrained(d)
+    with pytest.raises(ConfigError, match="applies to causal language models; this workload trains text-class"):
+        load(str(d), fused_loss="liger")
+    for name in ("mlp", "hf-vit-base"):
+        with pytest.raises(ConfigError, match="needs a transformers causal language model"):
+            batchfit.estimate(load(name, fused_loss="liger"), 2, device="A100-80GB")
+
+
+def test_the_gpt_preset_and_an_hf_preset_take_a_fused_loss() -> None:
+    from batchfit.sources import load
+
+    for name in ("hf-gpt2",):
+        wl = load(name, fused_loss="liger", n_layer=2, seq_len=64, n_embd=64, n_head=4, vocab_size=512)
+        assert wl.config["fused_loss"] == "liger"
+        assert batchfit.estimate(wl, 2, device="cpu").peak_allocated_bytes == measure_cpu_peak(wl, 2)
