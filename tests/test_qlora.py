@@ -133,3 +133,40 @@ def test_bad_quantisation_input_is_one_line(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # not installed
     with pytest.raises(ConfigError, match=r"pip install 'batchfit\[qlora\]'"):
         batchfit.estimate(_workload(), 1, device="cpu")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_8bit_base_is_exact_on_the_cpu_and_takes_the_cuda_branch_on_a_gpu(precision: str) -> None:
+    wl = _workload("r=4,quant=int8")
+    assert "outlier columns assumed none" in wl.name
+    model = fake_model(wl)
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+    assert len(linears) == 14
+    for m in linears:  # NOTE [ A 4-bit weight's storages ]: int8 [out, in] and fp32 row scales
+        assert m.weight.dtype == torch.int8 and m.weight.untyped_storage().nbytes() == m.in_features * m.out_features
+        assert m.weight.SCB.dtype == torch.float32 and m.weight.SCB.numel() == m.out_features
+    est = batchfit.estimate(wl, 2, device="cpu", precision=precision)
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, 2, precision=precision)
+    trace = trace_for_device(wl, 2, get_device("A100-80GB"), policy_for(precision), ())
+    ops = set(trace.op.values())
+    assert any("int8_scaled_mm" in op for op in ops)  # LLM.int8()'s CUDA matmul, not the CPU's dequantise-then-matmul
+    cpu = trace_for_device(wl, 2, get_device("cpu"), policy_for(precision), ())
+    assert not any("int8_scaled_mm" in op for op in set(cpu.op.values()))
+
+
+def test_a_fake_quantisation_first_leaves_bitsandbytes_caches_real() -> None:
+    """bitsandbytes caches its 8-bit code on first use: an estimate (fake tensors) before any real model
+    must not leave a fake code there for the real quantisation after it."""
+    import subprocess
+
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); torch.set_num_threads(1)\n"
+        "import batchfit\n"
+        "from test_qlora import _workload\n"
+        "from batchfit.memory.measure import measure_cpu_peak\n"
+        "wl = _workload()\n"
+        "est = batchfit.estimate(wl, 2, device='cpu').peak_allocated_bytes\n"
+        "print(est == measure_cpu_peak(wl, 2), est)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split()[:1] == ["True"], done.stdout + done.stderr

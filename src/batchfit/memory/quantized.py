@@ -68,7 +68,13 @@ def gemm_4bit_scratch(func: Any, args: tuple, kwargs: dict) -> list[tuple[int, s
 # `MatMul8bitLt` (quantise the input row-wise to int8, an int8 GEMM with int32 accumulation, then
 # dequantise; backward dequantises the weight). A trace on fake CPU tensors for a CUDA target must take
 # the CUDA branch: `cuda_int8_matmul` routes `matmul` there while it is active. Its custom ops have fake
-# kernels with the CUDA kernels' output shapes and dtypes.
+# kernels with the CUDA kernels' output shapes and dtypes, but one: with the outlier threshold (6.0 by
+# default) `int8_vectorwise_quant` picks the input's columns holding a value above it, and
+# `int8_mixed_scaled_mm` multiplies those apart in fp16 (`subA`, [rows, outliers], kept for backward),
+# a count that depends on the activations' values. The forward is traced with the threshold at 0 for
+# the call, which is the same step with no outlier column: each outlier column a real step finds adds
+# 2 bytes per token to its layer's saved tensors and a transient [out, outliers] fp16 slice of the
+# weight (bitsandbytes/backends/cuda/ops.py, `int8_mixed_scaled_mm`). `QuantSpec.describe` says so.
 
 
 @contextlib.contextmanager
@@ -87,7 +93,11 @@ def cuda_int8_matmul() -> Iterator[None]:
         state = state or functions.MatmulLtState()
         if threshold > 0.0:
             state.threshold = threshold
-        return functions.MatMul8bitLt.apply(A, B, out, bias, state)
+        kept, state.threshold = state.threshold, 0.0  # no outlier column (NOTE [ LLM.int8() on CUDA ])
+        try:
+            return functions.MatMul8bitLt.apply(A, B, out, bias, state)
+        finally:
+            state.threshold = kept
 
     patched = [(functions, "matmul"), (bitsandbytes, "matmul")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in patched if getattr(owner, name, None) is original]

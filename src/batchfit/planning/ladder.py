@@ -47,7 +47,9 @@ def _ladder(device: Device, gpus: int, precision: str | None, checkpointing: Any
         for ck in ck_options:
             for sharded in [False, True] if gpus > 1 else [False]:
                 used: list[tuple[int, str]] = []
-                if prec == "bf16-true":
+                if precision is not None:  # the user's own precision: not a remedy the plan applied
+                    pass
+                elif prec == "bf16-true":
                     used.append((_RANK["bf16-true"], "bf16 weights and optimizer states"))
                 elif prec != "fp32":
                     used.append((_RANK["autocast"], f"{prec} autocast"))

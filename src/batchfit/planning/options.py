@@ -199,7 +199,7 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
         headroom_bytes=result.capacity_bytes - total,
         remedies=config.remedies,
         predicted_step_s=seconds,
-        changes_numerics=config.precision == "bf16-true",
+        changes_numerics=config.precision == "bf16-true" and "bf16 weights and optimizer states" in config.remedies,
     )
 
 

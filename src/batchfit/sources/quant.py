@@ -52,7 +52,7 @@ class QuantSpec:
 
     def describe(self) -> str:
         if self.kind == "int8":
-            return "int8 base"
+            return "int8 base, outlier columns assumed none"
         return f"{self.kind}{' double-quant' if self.double_quant else ''} base, {self.compute_dtype} compute"
 
     def bnb_config(self) -> Any:
@@ -168,11 +168,26 @@ def _parameters_of_fakes() -> Iterator[None]:
             cls.__new__ = original
 
 
+def _real_dynamic_map() -> None:
+    """bitsandbytes makes the code of its 8-bit blockwise quantisation once and keeps it in a module-level
+    dict (``functional.name2qmap["dynamic"]``, made on the first call): made under a fake mode it would be a
+    fake tensor, and every real quantisation after it would copy a fake code. It is made for real here
+    (and a fake one left by anything else replaced)."""
+    import bitsandbytes.functional as F
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    cached = F.name2qmap.get("dynamic")
+    if cached is None or _is_fake(cached):
+        with _disable_current_modes():
+            F.name2qmap["dynamic"] = F.create_dynamic_map()
+
+
 def _quantize_4bit(module: nn.Module, weight: torch.Tensor, spec: QuantSpec) -> nn.Parameter:
     """``weight`` quantised into ``module`` (a ``Linear4bit``) by bitsandbytes' ``quantize_4bit``."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
+    _real_dynamic_map()
     data = weight.detach()
     if not _is_fake(data):
         param = bnb.nn.Params4bit(
