@@ -135,3 +135,18 @@ def test_a_plan_of_a_named_model_tries_checkpointing(tmp_path: Path, monkeypatch
     between = (ck.device_total_bytes + one.device_total_bytes) / 2 / 2**20  # room for a checkpointed item only
     p = batchfit.plan(wl, 4, device=f"{between:.2f}MiB", precision="bf16-true")
     assert p.checkpointing and p.micro_batch_size * p.accumulation_steps * p.gpus == 4
+
+
+def test_the_trainers_reentrant_checkpointing_is_what_its_workload_checkpoints(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from batchfit.integrations._hf_workload import trainer_workload
+
+    model = next(e for e in HF_ENTRIES if e.name == "llama-gqa").make().build_model()
+    plain = TrainingArguments(str(tmp_path), report_to=[], gradient_checkpointing=True)
+    reentrant = TrainingArguments(str(tmp_path), report_to=[], gradient_checkpointing=True,
+                                  gradient_checkpointing_kwargs={"use_reentrant": True})  # fmt: skip
+    assert UseReentrant not in trainer_workload(model, plain, seq_len=16).checkpoint_blocks
+    blocks = trainer_workload(model, reentrant, seq_len=16).checkpoint_blocks
+    assert UseReentrant in blocks and [c.__name__ for c in blocks if c is not UseReentrant] == ["LlamaDecoderLayer"]

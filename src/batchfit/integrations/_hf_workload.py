@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpointing import UseReentrant
 from ..checkpointing import model_layers as checkpoint_layers
 from ..errors import ConfigError
 from ..workload import Workload
@@ -200,8 +201,16 @@ def trainer_workload(
         optimizer=trainer_optimizer(model, args),
         name=f"{type(_base(model)).__name__} ({what}, optim={_optim_name(args)})",
         tokens_per_item=tokens,
-        checkpoint_blocks=checkpoint_layers(model),
+        checkpoint_blocks=checkpoint_layers(model) + _reentrant(args),
     )
+
+
+def _reentrant(args: TrainingArguments) -> tuple[type[nn.Module], ...]:
+    """``(UseReentrant,)`` when the arguments ask transformers for reentrant checkpointing
+    (``gradient_checkpointing_kwargs={"use_reentrant": True}``); none leaves transformers' own default."""
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+    kwargs = kwargs or getattr(args, "gradient_checkpointing_kwargs", None)
+    return (UseReentrant,) if isinstance(kwargs, Mapping) and kwargs.get("use_reentrant") is True else ()
 
 
 @contextlib.contextmanager
