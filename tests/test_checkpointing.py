@@ -4,7 +4,6 @@ transformers itself checkpoints them (``gradient_checkpointing_enable``), exact 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,20 +18,13 @@ from batchfit.errors import ConfigError
 from batchfit.memory.measure import measure_cpu_peak
 from batchfit.models import hf
 
-pytestmark = pytest.mark.skipif(not hf.available(), reason="needs transformers")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not hf.available(), reason="needs transformers"),
+]
 
 # The families whose transformers models have repeated layers (CNNs' stages are not layers transformers checkpoints).
 LAYERED = ("decoder", "moe", "encoder", "encoder-decoder", "vit", "audio", "multimodal")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _layered() -> list:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,19 +19,12 @@ from batchfit.memory.measure import measure_cpu_peak
 from batchfit.models import hf
 from batchfit.precision import policy_for
 
-pytestmark = pytest.mark.skipif(not hf.available(), reason="needs transformers")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not hf.available(), reason="needs transformers"),
+]
 
 VOCAB, SEQ, BATCH = 4096, 128, 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _workload(fused: str | None, lora: str | None = None, vocab: int = VOCAB) -> batchfit.Workload:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from batchfit.sources.lora import parse_lora
 from batchfit.sources.quant import QuantSpec, quantized_weight_bytes
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(not hf.available(), reason="needs transformers"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
@@ -33,16 +33,6 @@ pytest.importorskip("peft")
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _workload(lora: str = "r=4,quant=nf4,targets=all-linear", seq_len: int = 16) -> batchfit.Workload:
