@@ -1,0 +1,246 @@
+"""The longest sequence that fits at a given batch: ``fit(workload, device, maximize="seq_len", batch_size=B)``.
+
+The answer ``L`` is exact as the batch's is: ``estimate`` at ``L`` tokens fits the budget and at
+``L + seq_multiple`` it does not (or ``L`` is the longest sequence the model takes: ``capped``).
+
+NOTE [ Searching the sequence length ]
+The workload is rebuilt at each length it is traced at (``Workload.at_seq_len``). The longest length
+the model takes is traced first: when it fits, that is the answer, in one trace. Otherwise two more
+lengths (a half and a quarter of it) are traced, and the three traces give every storage's size as a
+polynomial of the length (``memory/scaling.py``, NOTE [ Memory over the sequence length ]): affine
+where attention keeps no ``T x T`` tensor (CUDA's flash kernels), quadratic where it does. The longest
+length that curve predicts to fit is found by bisection over replays of the allocator model, then the
+guess and the next length are traced to verify it (five traces when the prediction is right; a gallop
+and a bisection on traces from the guess when it is not). When the step's code differs between
+lengths (no curve can be drawn), it bisects on traces. A model without a known limit is traced at
+its own length, twice and four times it, and the curve extrapolated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..checkpointing import checkpoint_classes
+from ..errors import BatchfitError, ConfigError
+from ..gpu.catalog import Device
+from ..gpu.simulated import SimulatedDevice
+from ..memory.estimate import Estimate, check_batch_size, with_accumulation
+from ..memory.scaling import TraceCurve
+from ..memory.trace import MemoryTrace
+from ..precision import policy_for
+from .budget import device_budget, real_step
+from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
+
+__all__ = ["check_seq_request", "fit_seq_len"]
+
+
+def check_seq_request(
+    workload: Any, maximize: str, batch_size: int | None, seq_multiple: int, max_batch_size: int | None
+) -> bool:
+    """Whether ``fit`` is asked for the longest sequence (True) or the largest batch (False).
+
+    Raises:
+        ConfigError: one line naming the fix: an unknown ``maximize``, a sequence search without a batch
+            or on a workload with no sequence, or options that belong to the other search.
+    """
+    target = str(maximize).strip().lower().replace("-", "_")
+    if target == "batch_size":
+        if batch_size is not None:
+            raise ConfigError(
+                "a batch size is given only with --maximize seq-len (maximize='seq_len'); without it fit finds "
+                "the largest batch itself"
+            )
+        if seq_multiple != 1:
+            raise ConfigError("--seq-multiple applies to --maximize seq-len (maximize='seq_len')")
+        return False
+    if target != "seq_len":
+        raise ConfigError(f"maximize must be batch_size or seq_len (--maximize batch-size|seq-len), got {maximize!r}")
+    if batch_size is None:
+        raise ConfigError("the longest sequence is fitted at a batch you choose: pass --batch-size B (batch_size=B)")
+    check_batch_size(batch_size, "--batch-size")
+    check_batch_size(seq_multiple, "--seq-multiple")
+    if max_batch_size is not None:
+        raise ConfigError("max_batch_size applies to maximize='batch_size'; a sequence is fitted at batch_size")
+    if workload.at_seq_len is None:
+        raise ConfigError(
+            f"{workload.name} has no sequence length to vary; --maximize seq-len needs a model with a sequence (gpt, "
+            "an hf-* language preset, a hub language or speech model) or a Workload(at_seq_len=<function building "
+            "it at n tokens>)"
+        )
+    limit = workload.max_seq_len
+    if limit is not None and seq_multiple > limit:
+        raise ConfigError(
+            f"--seq-multiple {seq_multiple} is longer than the model's {limit} positions; pass a smaller one"
+        )
+    return True
+
+
+class _SeqSearch(_Search):
+    """A search whose point ``k`` is the step at ``batch_size`` with sequences of ``k * multiple`` tokens."""
+
+    def __init__(self, workload: Any, *args: Any, batch_size: int, multiple: int, **kwargs: Any) -> None:
+        super().__init__(workload, *args, **kwargs)
+        self.batch_size, self.multiple = batch_size, multiple
+        self.unit = str(workload.config.get("seq_unit", "tokens"))
+        self.curve: _InUnits | None = None
+        self._rebuilt: dict[int, Any] = {}
+
+    def workload_at(self, k: int) -> Any:
+        """The workload rebuilt at ``k * multiple`` tokens (checked: a ``Workload``, or one clear error)."""
+        if k not in self._rebuilt:
+            from ..workload import Workload
+
+            length, base = k * self.multiple, self.workload
+            try:
+                rebuilt = base.at_seq_len(length)
+            except BatchfitError:
+                raise
+            except Exception as e:
+                raise ConfigError(f"{base.name}: at_seq_len({length}) raised {type(e).__name__}: {e}") from e
+            if not isinstance(rebuilt, Workload):
+                raise ConfigError(
+                    f"{base.name}: at_seq_len({length}) returned {type(rebuilt).__name__}; it must return the "
+                    "Workload at that length"
+                )
+            self._rebuilt[k] = with_accumulation(rebuilt, base.accumulation_steps)
+        return self._rebuilt[k]
+
+    def batch_size_at(self, k: int) -> int:
+        return self.batch_size
+
+    def step_at(self, k: int) -> tuple[Any, int, str]:
+        b = self.batch_size
+        return self.workload_at(k), b, f"{b} item{'s' if b != 1 else ''} of {k * self.multiple} {self.unit}"
+
+    def attempt(self, k: int, total: int | None, fits: bool, kind: str) -> FitAttempt:
+        return FitAttempt(self.batch_size, total, fits, kind, seq_len=k * self.multiple)
+
+
+class _InUnits:
+    """A ``TraceCurve`` over lengths read at search points (``k`` multiples)."""
+
+    def __init__(self, curve: TraceCurve, multiple: int) -> None:
+        self.curve, self.multiple = curve, multiple
+
+    def at(self, k: int) -> MemoryTrace:
+        return self.curve.at(k * self.multiple)
+
+
+def fit_seq_len(
+    workload: Any,
+    device: str | Device | SimulatedDevice,
+    batch_size: int,
+    seq_multiple: int,
+    precision: str,
+    checkpointing: Any,
+    margin: float,
+    expandable_segments: bool,
+    shard_over: int,
+    verify: bool,
+    progress: Callable[[str], None] | None,
+) -> FitResult:
+    """The longest sequence of ``workload`` that fits at ``batch_size`` (``fit``'s arguments, checked by
+    ``check_seq_request``); see NOTE [ Searching the sequence length ]."""
+    dev, budget = device_budget(device, margin)
+    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
+    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    search = _SeqSearch(
+        workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
+        reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over,
+        batch_size=batch_size, multiple=seq_multiple,
+    )  # fmt: skip
+    search.progress = progress
+    step = real_step(device, budget, policy, classes)
+    known: dict[int, bool] = {}
+
+    def verify_at(k: int) -> bool:
+        if k not in known:
+            if step is not None:
+                known[k] = search.real(k, step)
+            elif verify or search.curve is None or k in search.estimates:
+                known[k] = search.fits(search.traced(k))
+            else:  # trust the curve
+                known[k] = search.predicted_fits(search.curve, k)
+        return known[k]
+
+    top = None if workload.max_seq_len is None else workload.max_seq_len // seq_multiple
+    own = int(workload.config.get("seq_len") or workload.tokens_per_item or seq_multiple)
+    longest = _longest(search, verify_at, top, max(1, own // seq_multiple))
+    if longest == 0:
+        shortest = search.traced(1)
+        remedies = (f"a smaller --batch-size than {batch_size}",) if batch_size > 1 else ()
+        at = f"batch size {batch_size} with sequences of {seq_multiple} {search.unit}"
+        raise _does_not_fit(search.workload_at(1), dev, shortest, budget, at=at, remedies=remedies)
+    est = search.estimates.get(longest) or _predicted(search, longest)
+    return FitResult(
+        max_batch_size=batch_size,
+        trials=search.trials,
+        estimate=est,
+        device=dev.name,
+        capacity_bytes=budget,
+        precision=policy.precision.value,
+        checkpointing=bool(classes),
+        attempts=tuple(search.attempts),
+        traces={k * seq_multiple: trace for k, trace in search.traces.items()},
+        capped=longest == top,
+        max_seq_len=longest * seq_multiple,
+        seq_multiple=seq_multiple,
+        seq_unit=search.unit,
+    )
+
+
+def _predicted(search: _SeqSearch, k: int) -> Estimate:
+    """The estimate at ``k`` when real steps verified it: the curve's prediction rather than another trace."""
+    if search.curve is None:
+        return search.traced(k)
+    return search._estimate(search.curve.at(k), k, search.workload_at(k))
+
+
+def _longest(search: _SeqSearch, verify: Callable[[int], bool], top: int | None, own: int) -> int:
+    """The largest ``k`` (at most ``top``) that ``verify`` says fits; 0 when not even ``k = 1`` does."""
+    high = top if top is not None else 4 * own
+    if top is not None and search.fits(search.traced(top)):
+        guess = top
+    else:
+        for k in sorted({max(1, high // 4), max(1, high // 2), high}):
+            search.traced(k)
+        guess = _guess(search, top)
+    best = _settle(guess, lambda k: (top is None or k <= top) and verify(k))
+    return best if best > 1 or verify(1) else 0
+
+
+def _guess(search: _SeqSearch, top: int | None) -> int:
+    """The longest ``k`` the traces so far predict to fit (at least 1)."""
+    fitting = [k for k, est in search.estimates.items() if search.fits(est)]
+    failing = [k for k, est in search.estimates.items() if not search.fits(est)]
+    lo = max(fitting, default=0)
+    hi = min([k for k in failing if k > lo], default=None)
+    cap = (hi - 1) if hi is not None else (top if top is not None else _MAX_BATCH)
+    try:
+        curve = TraceCurve([(k * search.multiple, search.traces[k]) for k in sorted(search.traces)])
+    except ValueError:  # the step's code depends on the length: bisect on traces
+        return _bisect_traced(search, lo, hi, top)
+    search.curve = _InUnits(curve, search.multiple)
+    guess = _largest_predicted(search, search.curve, lo, cap)
+    if guess >= _MAX_BATCH - 1:
+        raise ConfigError(
+            f"{search.workload.name}: memory does not grow with the sequence length; check that at_seq_len(n) "
+            "builds batches of n tokens"
+        )
+    return max(guess, 1)
+
+
+def _bisect_traced(search: _SeqSearch, lo: int, hi: int | None, top: int | None) -> int:
+    """The longest ``k`` that fits, by traces alone: doubling while nothing above fails, then bisection."""
+    while hi is None:
+        k = 2 * max(lo, 1) if top is None else min(2 * max(lo, 1), top)
+        if k >= _MAX_BATCH:
+            raise ConfigError(f"{search.workload.name}: memory does not grow with the sequence length")
+        lo, hi = (k, None) if search.fits(search.traced(k)) else (lo, k)
+        if top is not None and lo == top:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
+    return max(lo, 1)
