@@ -127,6 +127,15 @@ class TraceCurve:
         )  # fmt: skip
 
 
+def same_step(a: MemoryTrace, b: MemoryTrace) -> bool:
+    """Whether two traces run the same ops in the same order (sizes aside): a line or curve joins them."""
+    try:
+        _aligned(a, b)
+    except ValueError:
+        return False
+    return True
+
+
 def _aligned(low: MemoryTrace, high: MemoryTrace) -> list[tuple[int, int]]:
     """The storages of two traces of the same step paired in allocation order.
 

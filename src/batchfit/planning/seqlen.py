@@ -9,11 +9,14 @@ the model takes is traced first: when it fits, that is the answer, in one trace.
 lengths (a half and a quarter of it) are traced, and the three traces give every storage's size as a
 polynomial of the length (``memory/scaling.py``, NOTE [ Memory over the sequence length ]): affine
 where attention keeps no ``T x T`` tensor (CUDA's flash kernels), quadratic where it does. The longest
-length that curve predicts to fit is found by bisection over replays of the allocator model, then the
-guess and the next length are traced to verify it (five traces when the prediction is right; a gallop
-and a bisection on traces from the guess when it is not). When the step's code differs between
-lengths (no curve can be drawn), it bisects on traces. A model without a known limit is traced at
-its own length, twice and four times it, and the curve extrapolated.
+length that curve predicts to fit is found by bisection over replays of the allocator model, and the
+guess and its neighbour are traced: five traces when the prediction is right, as it is whenever every
+size is a polynomial of the length. Otherwise the curve is redrawn through the traces nearest the
+answer and guessed again, and once a guess does not halve the bracket, the rest is bisection on
+traces. A step whose code changes with the length (a kernel chosen by size, a branch on the length)
+aligns only with some of the traces: the curve is drawn through those that run the ops of the step
+at an end of the bracket. A model without a known limit is traced at its own length, twice and four
+times it, and the curve extrapolated.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..errors import BatchfitError, ConfigError
 from ..gpu.catalog import Device
 from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import Estimate, check_batch_size, with_accumulation
-from ..memory.scaling import TraceCurve
+from ..memory.scaling import TraceCurve, same_step
 from ..memory.trace import MemoryTrace
 from ..precision import policy_for
 from .budget import device_budget, real_step
@@ -151,26 +154,26 @@ def fit_seq_len(
         batch_size=batch_size, multiple=seq_multiple,
     )  # fmt: skip
     search.progress = progress
-    step = real_step(device, budget, policy, classes)
-    known: dict[int, bool] = {}
-
-    def verify_at(k: int) -> bool:
-        if k not in known:
-            if step is not None:
-                known[k] = search.real(k, step)
-            elif verify or search.curve is None or k in search.estimates:
-                known[k] = search.fits(search.traced(k))
-            else:  # trust the curve
-                known[k] = search.predicted_fits(search.curve, k)
-        return known[k]
-
     top = None if workload.max_seq_len is None else workload.max_seq_len // seq_multiple
-    own = int(workload.config.get("seq_len") or workload.tokens_per_item or seq_multiple)
-    longest = _longest(search, verify_at, top, max(1, own // seq_multiple))
+    own = workload.config.get("seq_len") or workload.tokens_per_item
+    own = own if isinstance(own, int) and own > 0 else seq_multiple
+    step = real_step(device, budget, policy, classes)  # real steps verify the curve's guess, not traces
+    longest = _longest_traced(search, top, max(1, own // seq_multiple), trust_curve=step is not None or not verify)
+    if step is not None:  # the guess settled by real steps on the device
+        runs: dict[int, bool] = {}
+
+        def runs_at(k: int) -> bool:
+            if k not in runs:
+                runs[k] = (top is None or k <= top) and search.real(k, step)
+            return runs[k]
+
+        longest = _settle(max(longest, 1), runs_at)
+        longest = longest if longest > 1 or runs_at(1) else 0
     if longest == 0:
         shortest = search.traced(1)
         remedies = (f"a smaller --batch-size than {batch_size}",) if batch_size > 1 else ()
-        at = f"batch size {batch_size} with sequences of {seq_multiple} {search.unit}"
+        unit = search.unit[:-1] if seq_multiple == 1 and search.unit.endswith("s") else search.unit
+        at = f"batch size {batch_size} with sequences of {seq_multiple} {unit}"
         raise _does_not_fit(search.workload_at(1), dev, shortest, budget, at=at, remedies=remedies)
     est = search.estimates.get(longest) or _predicted(search, longest)
     return FitResult(
@@ -197,30 +200,54 @@ def _predicted(search: _SeqSearch, k: int) -> Estimate:
     return search._estimate(search.curve.at(k), k, search.workload_at(k))
 
 
-def _longest(search: _SeqSearch, verify: Callable[[int], bool], top: int | None, own: int) -> int:
-    """The largest ``k`` (at most ``top``) that ``verify`` says fits; 0 when not even ``k = 1`` does."""
-    high = top if top is not None else 4 * own
+def _longest_traced(search: _SeqSearch, top: int | None, own: int, *, trust_curve: bool = False) -> int:
+    """The largest ``k`` (at most ``top``) whose trace fits; 0 when not even ``k = 1`` fits.
+
+    Each round traces the curve's guess inside the bracket (the longest traced step that fits, the
+    shortest above it that does not) and the guess's neighbour, so a right guess closes the bracket;
+    once a round does not halve it, the curve is not trusted and the rest is bisection (``O(log)`` traces).
+    With ``trust_curve`` the first guess is the answer (two traces fewer, none of them verifying it).
+    """
     if top is not None and search.fits(search.traced(top)):
-        guess = top
-    else:
-        for k in sorted({max(1, high // 4), max(1, high // 2), high}):
-            search.traced(k)
-        guess = _guess(search, top)
-    best = _settle(guess, lambda k: (top is None or k <= top) and verify(k))
-    return best if best > 1 or verify(1) else 0
+        return top
+    high = top if top is not None else 4 * own
+    for k in sorted({max(1, high // 4), max(1, high // 2), high}):
+        search.traced(k)
+    curving = True  # until a round with the curve fails to halve the bracket: then bisection alone
+    while True:
+        lo, hi = _bracket(search)
+        if hi is not None and hi - lo <= 1:
+            return lo
+        if not curving and hi is not None:
+            search.traced((lo + hi) // 2)
+            continue
+        guess = _curve_guess(search, lo, hi, top)
+        if trust_curve and search.curve is not None:
+            return guess
+        guess = max(guess, lo + 1)  # the curve says lo is the longest: trace the step after it to confirm
+        neighbour = guess + 1 if search.fits(search.traced(guess)) else guess - 1
+        if lo < neighbour and (hi is None or neighbour < hi):
+            search.traced(neighbour)
+        new_lo, new_hi = _bracket(search)
+        curving = hi is None or new_hi is None or 2 * (new_hi - new_lo) <= hi - lo
 
 
-def _guess(search: _SeqSearch, top: int | None) -> int:
-    """The longest ``k`` the traces so far predict to fit (at least 1)."""
-    fitting = [k for k, est in search.estimates.items() if search.fits(est)]
-    failing = [k for k, est in search.estimates.items() if not search.fits(est)]
-    lo = max(fitting, default=0)
-    hi = min([k for k in failing if k > lo], default=None)
-    cap = (hi - 1) if hi is not None else (top if top is not None else _MAX_BATCH)
-    try:
-        curve = TraceCurve([(k * search.multiple, search.traces[k]) for k in sorted(search.traces)])
-    except ValueError:  # the step's code depends on the length: bisect on traces
-        return _bisect_traced(search, lo, hi, top)
+def _bracket(search: _SeqSearch) -> tuple[int, int | None]:
+    """The longest traced ``k`` that fits (0: none) and the shortest traced above it that does not (None: none)."""
+    lo = max((k for k, est in search.estimates.items() if search.fits(est)), default=0)
+    hi = min((k for k, est in search.estimates.items() if k > lo and not search.fits(est)), default=None)
+    return lo, hi
+
+
+def _curve_guess(search: _SeqSearch, lo: int, hi: int | None, top: int | None) -> int:
+    """The longest ``k`` in the bracket predicted to fit (``lo`` when none above it is), by the curve through
+    the traces of the bracket's step (up to three near it: a step whose code changes with the length is
+    aligned with only some); without two such traces, the bracket's middle (or twice ``lo``)."""
+    cap = hi - 1 if hi is not None else (top if top is not None else _MAX_BATCH)
+    points = _aligned_near(search, lo, hi)
+    if len(points) < 2:  # nothing to draw: bisect (or double, with no failing step yet)
+        return (lo + hi) // 2 if hi is not None else min(2 * max(lo, 1), cap)
+    curve = TraceCurve([(k * search.multiple, search.traces[k]) for k in points])
     search.curve = _InUnits(curve, search.multiple)
     guess = _largest_predicted(search, search.curve, lo, cap)
     if guess >= _MAX_BATCH - 1:
@@ -228,19 +255,14 @@ def _guess(search: _SeqSearch, top: int | None) -> int:
             f"{search.workload.name}: memory does not grow with the sequence length; check that at_seq_len(n) "
             "builds batches of n tokens"
         )
-    return max(guess, 1)
+    return guess
 
 
-def _bisect_traced(search: _SeqSearch, lo: int, hi: int | None, top: int | None) -> int:
-    """The longest ``k`` that fits, by traces alone: doubling while nothing above fails, then bisection."""
-    while hi is None:
-        k = 2 * max(lo, 1) if top is None else min(2 * max(lo, 1), top)
-        if k >= _MAX_BATCH:
-            raise ConfigError(f"{search.workload.name}: memory does not grow with the sequence length")
-        lo, hi = (k, None) if search.fits(search.traced(k)) else (lo, k)
-        if top is not None and lo == top:
-            return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
-    return max(lo, 1)
+def _aligned_near(search: _SeqSearch, lo: int, hi: int | None) -> list[int]:
+    """Up to three traced points whose steps run the same ops as the trace at an end of the bracket (the
+    end with more such traces; the failing end on a tie), nearest the bracket first."""
+    ends = [k for k in (hi, lo) if k]
+    groups = [[k for k in search.traces if k == end or same_step(search.traces[k], search.traces[end])] for end in ends]
+    group = max(groups, key=len, default=[])
+    inside = lo if hi is None else (lo + hi) / 2
+    return sorted(group, key=lambda k: abs(k - inside))[:3]
