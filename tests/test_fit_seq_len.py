@@ -225,6 +225,36 @@ def test_when_the_answer_is_where_the_step_changes_it_is_found_by_bisection_on_t
     assert_longest(build, result, "1GiB")
 
 
+class _Strided(nn.Module):
+    """Strided convolutions over a waveform: their output lengths round down, so sizes are not a polynomial of
+    the length and the curve's guess is a little off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Conv1d(8, 64, 7, stride=5), nn.Conv1d(64, 64, 3, stride=2), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.c2(torch.relu(self.c1(x)))).mean(-1))
+
+
+def _waveform_workload(samples: int) -> Workload:
+    return Workload(
+        model=_Strided,
+        batch=lambda b: (torch.randn(b, 8, samples), torch.randint(0, 4, (b,))),  # (b, channels, samples), (b,)
+        loss=lambda m, xy: nn.functional.cross_entropy(m(xy[0]), xy[1]),
+        name="strided",
+        config={"seq_len": samples, "seq_unit": "samples"},
+        at_seq_len=_waveform_workload,
+    )
+
+
+def test_sizes_that_are_nearly_a_polynomial_cost_a_few_traces_more_and_the_answer_is_exact() -> None:
+    result = fit(_waveform_workload(1000), "500MiB", maximize="seq_len", batch_size=4)
+    assert_longest(_waveform_workload, result, "500MiB")
+    assert result.seq_unit == "samples"
+    assert 5 < result.trials <= 8  # the curve's guess fit, so did its neighbour: a short gallop up from it
+
+
 def test_a_workload_whose_memory_does_not_grow_with_the_length_says_so() -> None:
     flat = dataclasses.replace(_token_workload(100), at_seq_len=lambda n: _token_workload(100))
     with pytest.raises(ConfigError, match="does not grow with the sequence length"):

@@ -11,12 +11,15 @@ polynomial of the length (``memory/scaling.py``, NOTE [ Memory over the sequence
 where attention keeps no ``T x T`` tensor (CUDA's flash kernels), quadratic where it does. The longest
 length that curve predicts to fit is found by bisection over replays of the allocator model, and the
 guess and its neighbour are traced: five traces when the prediction is right, as it is whenever every
-size is a polynomial of the length. Otherwise the curve is redrawn through the traces nearest the
-answer and guessed again, and once a guess does not halve the bracket, the rest is bisection on
-traces. A step whose code changes with the length (a kernel chosen by size, a branch on the length)
-aligns only with some of the traces: the curve is drawn through those that run the ops of the step
-at an end of the bracket. A model without a known limit is traced at its own length, twice and four
-times it, and the curve extrapolated.
+size is a polynomial of the length. Otherwise the curve is redrawn through traces near the answer and
+guessed again; once a guess does not halve the bracket, the search gallops away from the last guess
+(a size that is nearly a polynomial, such as a strided convolution's rounded output length, leaves
+the answer a few tokens off it) and never past the bracket's middle, so it costs ``O(log)`` traces
+however wrong the curve was. A step whose code changes with the length (a kernel chosen by size, a
+branch on the length) aligns only with some of the traces: the curve is drawn through those that run
+the ops of the step at an end of the bracket, and where the bracket's two ends run different ops the
+search bisects (the answer is then likely where the step changes). A model without a known limit is
+traced at its own length, twice and four times it, and the curve extrapolated.
 """
 
 from __future__ import annotations
@@ -213,13 +216,14 @@ def _longest_traced(search: _SeqSearch, top: int | None, own: int, *, trust_curv
     high = top if top is not None else 4 * own
     for k in sorted({max(1, high // 4), max(1, high // 2), high}):
         search.traced(k)
-    curving = True  # until a round with the curve fails to halve the bracket: then bisection alone
+    curving, step, guess = True, 1, 0  # the curve, until a round of it fails to halve the bracket
     while True:
         lo, hi = _bracket(search)
         if hi is not None and hi - lo <= 1:
             return lo
-        if not curving and hi is not None:
-            search.traced((lo + hi) // 2)
+        if not curving:
+            search.traced(_next_probe(search, lo, hi, top, guess, step))
+            step *= 2
             continue
         guess = _curve_guess(search, lo, hi, top)
         if trust_curve and search.curve is not None:
@@ -229,7 +233,36 @@ def _longest_traced(search: _SeqSearch, top: int | None, own: int, *, trust_curv
         if lo < neighbour and (hi is None or neighbour < hi):
             search.traced(neighbour)
         new_lo, new_hi = _bracket(search)
-        curving = hi is None or new_hi is None or 2 * (new_hi - new_lo) <= hi - lo
+        curving = new_hi is not None and (hi is None or 2 * (new_hi - new_lo) <= hi - lo)
+
+
+def _next_probe(search: _SeqSearch, lo: int, hi: int | None, top: int | None, guess: int, step: int) -> int:
+    """Where to trace once the curve is not trusted: galloping away from its last guess (a size that is
+    not quite a polynomial, a convolution's rounded output length, leaves the answer near it) but never
+    past the bracket's middle, so the search is ``O(log)`` either way; plain bisection when the bracket's
+    ends run different ops (the answer is then likely where the step changes, which no curve sees)."""
+    if hi is None:  # nothing above fails yet: gallop up
+        return _doubled(search, lo, top, step)
+    mid = (lo + hi) // 2
+    if not lo or not same_step(search.traces[lo], search.traces[hi]):
+        return mid
+    if guess <= lo:
+        return min(lo + step, mid)
+    return max(hi - step, mid) if guess >= hi else mid
+def _doubled(search: _SeqSearch, lo: int, top: int | None, step: int | None = None) -> int:
+    """``lo + step`` (``2 lo`` without a step), at most ``top``; memory that never stops fitting is an error."""
+    k = 2 * max(lo, 1) if step is None else lo + step
+    k = k if top is None else min(k, top)
+    if k >= _MAX_BATCH:
+        raise _no_growth(search)
+    return k
+
+
+def _no_growth(search: _SeqSearch) -> ConfigError:
+    return ConfigError(
+        f"{search.workload.name}: memory does not grow with the sequence length; check that at_seq_len(n) builds "
+        "batches of n tokens"
+    )
 
 
 def _bracket(search: _SeqSearch) -> tuple[int, int | None]:
@@ -246,23 +279,28 @@ def _curve_guess(search: _SeqSearch, lo: int, hi: int | None, top: int | None) -
     cap = hi - 1 if hi is not None else (top if top is not None else _MAX_BATCH)
     points = _aligned_near(search, lo, hi)
     if len(points) < 2:  # nothing to draw: bisect (or double, with no failing step yet)
-        return (lo + hi) // 2 if hi is not None else min(2 * max(lo, 1), cap)
+        return (lo + hi) // 2 if hi is not None else _doubled(search, lo, top)
     curve = TraceCurve([(k * search.multiple, search.traces[k]) for k in points])
     search.curve = _InUnits(curve, search.multiple)
     guess = _largest_predicted(search, search.curve, lo, cap)
     if guess >= _MAX_BATCH - 1:
-        raise ConfigError(
-            f"{search.workload.name}: memory does not grow with the sequence length; check that at_seq_len(n) "
-            "builds batches of n tokens"
-        )
+        raise _no_growth(search)
     return guess
 
 
 def _aligned_near(search: _SeqSearch, lo: int, hi: int | None) -> list[int]:
     """Up to three traced points whose steps run the same ops as the trace at an end of the bracket (the
-    end with more such traces; the failing end on a tie), nearest the bracket first."""
+    end with more such traces; the failing end on a tie), nearest the bracket first, and spread: a guess
+    and its neighbour are one apart, and a curve through both would magnify any size that is not a
+    polynomial of the length (a convolution's output length rounds down) into its slope."""
     ends = [k for k in (hi, lo) if k]
     groups = [[k for k in search.traces if k == end or same_step(search.traces[k], search.traces[end])] for end in ends]
     group = max(groups, key=len, default=[])
-    inside = lo if hi is None else (lo + hi) / 2
-    return sorted(group, key=lambda k: abs(k - inside))[:3]
+    if not group:
+        return []
+    inside, gap = lo if hi is None else (lo + hi) / 2, max(1, (max(group) - min(group)) // 16)
+    chosen: list[int] = []
+    for k in sorted(group, key=lambda k: abs(k - inside)):
+        if all(abs(k - c) >= gap for c in chosen):
+            chosen.append(k)
+    return chosen[:3]
