@@ -138,7 +138,7 @@ def fit_table(result: Any) -> Group:
 
 def seq_len_line(result: Any) -> str:
     """One line saying the longest sequence at the batch, what it holds of the budget, and what it cost."""
-    longest = " (the model's longest)" if result.capped else ""
+    longest = ", the model's longest" if result.capped else ""
     multiple = f", a multiple of {result.seq_multiple}" if result.seq_multiple > 1 else ""
     return (
         f"longest sequence at batch {result.max_batch_size}: {result.max_seq_len} {result.seq_unit}{longest} "
