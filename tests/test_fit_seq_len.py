@@ -9,13 +9,13 @@ through the fitter's own ``at_seq_len``; on a ``SimulatedDevice`` they run real 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from real_steps import two_real_steps_fit
 from torch import nn
 
 from batchfit import ConfigError, DoesNotFitError, SimulatedDevice, Workload, estimate, get_device, presets
@@ -23,11 +23,9 @@ from batchfit.cli import main
 from batchfit.gpu.catalog import Device
 from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.scaling import TraceCurve
-from batchfit.memory.steps import loss_for_backward
 from batchfit.models import hf
 from batchfit.planning.fit import FitResult, fit
 from batchfit.precision import policy_for
-from batchfit.workload import trainable_parameters
 
 GPT_KNOBS = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=4096)
 """Flash attention on CUDA: memory is affine in the sequence length."""
@@ -332,37 +330,14 @@ def test_hub_models_and_their_adapters_are_rebuilt_at_any_length(tmp_path: Path)
 
 
 # -- a simulated device: real steps -------------------------------------------------------------------------
-def _two_real_steps_fit(workload: Workload, batch_size: int, capacity: str) -> bool:
-    """Two real training steps inside a fresh ``SimulatedDevice`` (foreach optimizers, as on a GPU)."""
-    model = workload.build_model()
-    optimizer = workload.optimizer(trainable_parameters(model))
-    for group in optimizer.param_groups:
-        if group.get("foreach", False) is None:
-            group["foreach"] = True
-    gpu = SimulatedDevice(capacity)
-    try:
-        with gpu:
-            gpu.track(model)
-            for _ in range(2):
-                loss_for_backward(workload.loss(model, workload.batch(batch_size))).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    finally:
-        del model, optimizer
-        gc.collect()
-
-
 def test_on_a_simulated_device_the_answer_is_verified_by_real_steps(one_thread: None) -> None:
     build = partial(_gpt)
     result = fit(build(), SimulatedDevice("64MiB"), maximize="seq_len", batch_size=2)
     assert [a.kind for a in result.attempts][-2:] == ["real", "real"]
     assert result.trials == 5
     length = result.max_seq_len
-    assert _two_real_steps_fit(build(length), 2, "64MiB")
-    assert not _two_real_steps_fit(build(length + 1), 2, "64MiB")
+    assert two_real_steps_fit(build(length), 2, "64MiB")
+    assert not two_real_steps_fit(build(length + 1), 2, "64MiB")
 
 
 # -- bad input -------------------------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from ..checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device, get_device
 from ..gpu.simulated import SimulatedDevice
-from ..precision import PrecisionPolicy
+from ..precision import PrecisionPolicy, policy_for
 
 
 def is_modelled(device: Any) -> bool:
@@ -45,6 +46,16 @@ def device_budget(device: str | Device | SimulatedDevice, margin: float) -> tupl
             "(--device 24GiB)"
         )
     return dev, int(dev.total_bytes * (1 - margin))
+
+
+def fit_setting(
+    workload: Any, device: str | Device | SimulatedDevice, margin: float, precision: str, checkpointing: Any
+) -> tuple[Device, int, PrecisionPolicy, tuple[type, ...]]:
+    """What a search of ``workload`` on ``device`` runs against: the device, its budget, the precision
+    policy and the checkpointed classes."""
+    dev, budget = device_budget(device, margin)
+    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
+    return dev, budget, policy, checkpoint_classes(checkpointing, workload.checkpoint_blocks)
 
 
 def real_step(

@@ -21,7 +21,7 @@ from ..gpu.catalog import Device
 from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import _as_workload, with_accumulation
 from ..precision import policy_for
-from .budget import device_budget, is_modelled, real_step
+from .budget import device_budget, fit_setting, is_modelled, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max
 from .seqlen import check_seq_request, fit_seq_len
 
@@ -121,19 +121,9 @@ def _fit(
     max_batch_size: int | None,
     progress: Callable[[str], None] | None,
 ) -> FitResult:
-    dev, budget = device_budget(device, margin)
-    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
-    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-    search = _Search(
-        workload,
-        dev,
-        policy,
-        classes,
-        budget,
-        expandable_segments=expandable_segments,
-        reserved_only=isinstance(device, SimulatedDevice),
-        shard_over=shard_over,
-    )
+    dev, budget, policy, classes = fit_setting(workload, device, margin, precision, checkpointing)
+    search = _Search(workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
+                     reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over)  # fmt: skip
     search.progress = progress
     step = real_step(device, budget, policy, classes)
 
@@ -153,16 +143,4 @@ def _fit(
     est = search.estimates.get(best)
     if est is None:  # verified by real steps: report the line's prediction rather than trace again
         est = search._estimate(search.line.at(best), best) if search.line is not None else search.traced(best)
-    return FitResult(
-        max_batch_size=best,
-        trials=search.trials,
-        estimate=est,
-        device=dev.name,
-        capacity_bytes=budget,
-        precision=policy.precision.value,
-        checkpointing=bool(classes),
-        attempts=tuple(search.attempts),
-        line=search.line,
-        traces=dict(search.traces),
-        capped=best == cap,
-    )
+    return search.result(est, max_batch_size=best, line=search.line, traces=dict(search.traces), capped=best == cap)

@@ -127,6 +127,19 @@ class _Search:
         self.line: TraceLine | None = None
         self.progress: Callable[[str], None] | None = None
 
+    def result(self, estimate: Estimate, **answer: Any) -> FitResult:
+        """The ``FitResult`` of this search: ``answer`` (the size found, ``capped``, ...) and what it took."""
+        return FitResult(
+            trials=self.trials,
+            estimate=estimate,
+            device=self.device.name,
+            capacity_bytes=self.budget,
+            precision=self.policy.precision.value,
+            checkpointing=bool(self.classes),
+            attempts=tuple(self.attempts),
+            **answer,
+        )
+
     def batch_size_at(self, b: int) -> int:
         """The batch size of a step at search point ``b`` (here the point is the batch size)."""
         return b

@@ -27,15 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpointing import checkpoint_classes
 from ..errors import BatchfitError, ConfigError
 from ..gpu.catalog import Device
 from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import Estimate, check_batch_size, with_accumulation
 from ..memory.scaling import TraceCurve, same_step
 from ..memory.trace import MemoryTrace
-from ..precision import policy_for
-from .budget import device_budget, real_step
+from .budget import fit_setting, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
 
 __all__ = ["check_seq_request", "fit_seq_len"]
@@ -148,9 +146,7 @@ def fit_seq_len(
 ) -> FitResult:
     """The longest sequence of ``workload`` that fits at ``batch_size`` (``fit``'s arguments, checked by
     ``check_seq_request``); see NOTE [ Searching the sequence length ]."""
-    dev, budget = device_budget(device, margin)
-    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
-    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    dev, budget, policy, classes = fit_setting(workload, device, margin, precision, checkpointing)
     search = _SeqSearch(
         workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
         reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over,
@@ -179,21 +175,10 @@ def fit_seq_len(
         at = f"batch size {batch_size} with sequences of {seq_multiple} {unit}"
         raise _does_not_fit(search.workload_at(1), dev, shortest, budget, at=at, remedies=remedies)
     est = search.estimates.get(longest) or _predicted(search, longest)
-    return FitResult(
-        max_batch_size=batch_size,
-        trials=search.trials,
-        estimate=est,
-        device=dev.name,
-        capacity_bytes=budget,
-        precision=policy.precision.value,
-        checkpointing=bool(classes),
-        attempts=tuple(search.attempts),
-        traces={k * seq_multiple: trace for k, trace in search.traces.items()},
-        capped=longest == top,
-        max_seq_len=longest * seq_multiple,
-        seq_multiple=seq_multiple,
-        seq_unit=search.unit,
-    )
+    return search.result(
+        est, max_batch_size=batch_size, traces={k * seq_multiple: trace for k, trace in search.traces.items()},
+        capped=longest == top, max_seq_len=longest * seq_multiple, seq_multiple=seq_multiple, seq_unit=search.unit,
+    )  # fmt: skip
 
 
 def _predicted(search: _SeqSearch, k: int) -> Estimate:
