@@ -4,8 +4,10 @@ Two traces (at batch sizes 2 and 3) draw a line of memory over the batch size (`
 the largest batch the line predicts to fit is found by bisection over replays of the allocator model,
 bracketed first by the allocated bytes alone, then settled by ``verify`` (a trace, a real step, or the
 line itself) at the guess and its neighbour. When the step's code depends on the batch size and no
-line can be drawn, it doubles and bisects on traces. ``batchfit.fit`` sets the search up and turns its
-answer into a ``FitResult``; the state of one search (``_Search``) is never carried between calls.
+line can be drawn, it doubles and bisects on traces. ``batchfit.fit`` sets the search up; the state of
+one search (``_Search``) is never carried between calls. A search point is a batch size here; the
+sequence search (``planning/seqlen.py``) reuses ``_Search`` with its points standing for lengths at a
+fixed batch (``step_at``), and both answer with the ``FitResult`` defined here.
 """
 
 from __future__ import annotations
