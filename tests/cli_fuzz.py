@@ -85,6 +85,12 @@ def random_argv(randint: RandInt, choice: Choice) -> list[str]:
         argv += ["--accumulation-steps", choice(COUNTS[:8])]
     if command in ("estimate", "fit", "plan") and _maybe(randint):
         argv += ["--context-mib", choice(["0", "-1", "500", "1e9", "nan", "x", ""])]
+    if command == "fit" and _maybe(randint):  # the longest sequence at a batch
+        argv += ["--maximize", choice(["seq-len", "seq-len", "batch-size", "seq_len", "tokens", ""])]
+        if _maybe(randint):
+            argv += [choice(["--batch-size", "-b"]), choice(COUNTS)]
+        if _maybe(randint):
+            argv += ["--seq-multiple", choice(["1", "8", "0", "-1", "4096", "x", ""])]
     if command == "train":
         if _maybe(randint):  # kept small: train runs real steps
             argv += [choice(["--global-batch-size", "-g"]), choice(COUNTS[:13])]

@@ -8,19 +8,17 @@ check it with real training steps run by a loop written here, not the fitter's o
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 from collections.abc import Iterator
 
 import pytest
 import torch
+from real_steps import two_real_steps_fit
 
 from batchfit import ConfigError, DoesNotFitError, SimulatedDevice, Workload, estimate, get_device, presets
 from batchfit.gpu.catalog import Device
-from batchfit.memory.steps import loss_for_backward
 from batchfit.planning.fit import FitResult, fit
-from batchfit.workload import trainable_parameters
 
 MLP = presets.get("mlp")
 GPT = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
@@ -51,39 +49,6 @@ def assert_exact(workload: Workload, result: FitResult, device: str | Device) ->
 def with_total(device: str, total_bytes: int) -> Device:
     """``device`` with exactly ``total_bytes`` of memory, to put the capacity on an estimate's edge."""
     return get_device(device).with_overrides(total_bytes=total_bytes)
-
-
-def two_real_steps_fit(workload: Workload, batch_size: int, capacity: str) -> bool:
-    """Two real training steps inside a fresh ``SimulatedDevice``; False when it raises its OOM.
-
-    Written independently of the fitter's own verification, so that agreeing with it means something.
-    The optimizer's ``foreach=None`` is resolved to True, as torch does for CUDA parameters: the
-    simulated device stands for a GPU, and the foreach step allocates temporaries the loop version
-    does not.
-    """
-    model = workload.build_model()
-    model.train()
-    optimizer = workload.optimizer(trainable_parameters(model))
-    for group in optimizer.param_groups:
-        if group.get("foreach", False) is None:
-            group["foreach"] = True
-    gpu = SimulatedDevice(capacity)
-    try:
-        with gpu:
-            gpu.track(model)
-            for _ in range(2):  # the first step creates the optimizer state, the second is the steady state
-                batch = workload.batch(batch_size)
-                loss = loss_for_backward(workload.loss(model, batch))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            del batch, loss
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    finally:
-        del model, optimizer
-        gc.collect()
 
 
 # -- exactness against the estimator -----------------------------------------------------------------

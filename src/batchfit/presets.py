@@ -258,6 +258,32 @@ def describe() -> list[tuple[str, str]]:
     return own + ([(name, spec.description) for name, spec in hf.SPECS.items()] if hf.available() else [])
 
 
+_POSITIONS = {"gpt": "block_size", **{name: spec.position_field for name, spec in hf.SPECS.items()}}
+"""The knob holding a preset's number of positions: the longest sequence its model takes."""
+
+
+def _with_sequence(name: str, workload: Workload, overrides: Mapping[str, Any]) -> Workload:
+    """``workload`` able to be rebuilt at another sequence length (``Workload.at_seq_len``), when it has one.
+
+    The positions are pinned at the number this workload's model has, so that only the sequence changes
+    (left to themselves they grow with ``seq_len``); that number is the longest sequence it takes.
+    """
+    import dataclasses
+
+    if "seq_len" not in workload.config:
+        return workload
+    knob = _POSITIONS.get(name)
+    limit = workload.config.get(knob) if knob else None
+    pinned = {k: v for k, v in overrides.items() if k != "seq_len"}
+    if knob and limit is not None:
+        pinned[knob] = limit
+    return dataclasses.replace(workload, at_seq_len=partial(_at_seq_len, name, pinned), max_seq_len=limit)
+
+
+def _at_seq_len(name: str, overrides: dict[str, Any], seq_len: int) -> Workload:
+    return get(name, **overrides, seq_len=seq_len)
+
+
 def get(name: str, **overrides: Any) -> Workload:
     """The preset ``name`` with its knobs changed by ``overrides`` (e.g. ``seq_len=256``, ``lr=3e-4``).
 
@@ -269,9 +295,9 @@ def get(name: str, **overrides: Any) -> Workload:
         ConfigError: an unknown or invalid override, or ``transformers`` missing for an ``hf-*`` preset.
     """
     if name in _OWN:
-        return _OWN[name][1](overrides)
+        return _with_sequence(name, _OWN[name][1](overrides), overrides)
     if name in hf.SPECS:
-        return _hf_workload(name, overrides)
+        return _with_sequence(name, _hf_workload(name, overrides), overrides)
     hint = "; for your own workload pass 'module.path:function'"
     if not hf.available():
         hint += "; the hf-* presets need transformers: install batchfit[hf]"
@@ -341,4 +367,20 @@ def call_workload_function(target: Any, spec: str, overrides: Mapping[str, Any])
         raise ConfigError(f"{spec!r} raised {type(e).__name__}: {e}") from e
     if not isinstance(result, Workload):
         raise ConfigError(f"{spec!r} returned {type(result).__name__}, not a batchfit.Workload")
+    if result.at_seq_len is None and _takes_seq_len(target):  # the function itself rebuilds it at any length
+        import dataclasses
+
+        rest = {k: v for k, v in overrides.items() if k != "seq_len"}
+        result = dataclasses.replace(result, at_seq_len=partial(_call_at_seq_len, target, spec, rest))
     return result
+
+
+def _takes_seq_len(target: Any) -> bool:
+    try:
+        return "seq_len" in inspect.signature(target).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+def _call_at_seq_len(target: Any, spec: str, overrides: dict[str, Any], seq_len: int) -> Workload:
+    return call_workload_function(target, spec, {**overrides, "seq_len": seq_len})

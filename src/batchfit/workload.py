@@ -74,6 +74,14 @@ class Workload:
     split needs accumulation."""
     config: dict[str, Any] = field(default_factory=dict)
     """The knobs a preset was built with (sizes, seq_len, optimizer), for reports and JSON."""
+    at_seq_len: Callable[[int], Workload] | None = None
+    """``n -> Workload``: this workload with sequences of ``n`` tokens per item, which is how
+    ``fit(..., maximize="seq_len")`` traces it at other lengths. Presets with a ``seq_len``, hub models
+    with a sequence and workload functions taking a ``seq_len`` argument have it; None: the workload has
+    no sequence to vary. A module-level function or ``functools.partial`` keeps the workload picklable.
+    Not part of the trace cache's key (a trace depends on the workload, not on how to rebuild it)."""
+    max_seq_len: int | None = None
+    """The longest sequence ``at_seq_len`` accepts (the model's positions); None: no known limit."""
 
     def build_model(self) -> nn.Module:
         """The model: the instance given, or a new one from the factory."""

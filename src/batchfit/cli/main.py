@@ -24,6 +24,7 @@ from .options import (
     CudaLoadingOpt,
     CudnnBenchmarkOpt,
     DeviceOpt,
+    FitBatchSizeOpt,
     FusedLossOpt,
     HfArgsOpt,
     InterconnectName,
@@ -33,11 +34,13 @@ from .options import (
     LoraTargetsOpt,
     LrRule,
     LrRuleOpt,
+    MaximizeOpt,
     OptimizerOpt,
     PrecisionOpt,
     PresetArg,
     ProfileOpt,
     SeqLenOpt,
+    SeqMultipleOpt,
     SetOpt,
     TaskOpt,
 )
@@ -183,9 +186,13 @@ def fit_command(
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
+    maximize: MaximizeOpt = opts.Maximize.batch_size,
+    batch_size: FitBatchSizeOpt = None,
+    seq_multiple: SeqMultipleOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Find the largest micro-batch that fits on a device, in a handful of traced steps."""
+    """Find the largest micro-batch that fits on a device (or the longest sequence at a batch), in a handful of
+    traced steps."""
     from ..memory.estimate import check_batch_size
     from ..planning.fit import fit
 
@@ -200,6 +207,9 @@ def fit_command(
             checkpointing="blocks" if checkpointing else None,
             margin=margin,
             accumulation_steps=accumulation_steps,
+            maximize=opts.Maximize(maximize).value,
+            batch_size=batch_size,
+            seq_multiple=seq_multiple,
             progress=show,
         )
     if as_json:

@@ -61,6 +61,28 @@ AccumulationOpt = Annotated[
         help="Micro-batches per optimizer step: above 1, earlier gradients stay alive through later micro-batches.",
     ),
 ]
+
+
+class Maximize(str, Enum):
+    """What ``fit`` searches: the largest micro-batch, or the longest sequence at a given batch."""
+
+    batch_size = "batch-size"
+    seq_len = "seq-len"
+
+
+MaximizeOpt = Annotated[
+    Maximize,
+    typer.Option(
+        "--maximize", help="batch-size: the largest micro-batch; seq-len: the longest sequence at --batch-size."
+    ),
+]
+FitBatchSizeOpt = Annotated[
+    int | None, typer.Option("--batch-size", "-b", help="With --maximize seq-len: the batch to fit the sequence at.")
+]
+SeqMultipleOpt = Annotated[
+    int,
+    typer.Option("--seq-multiple", help="With --maximize seq-len: only lengths that are multiples of this (e.g. 64)."),
+]
 ContextOpt = Annotated[
     float | None, typer.Option("--context-mib", help="Override the device's CUDA context size (MiB).")
 ]

@@ -4,15 +4,17 @@ Two traces (at batch sizes 2 and 3) draw a line of memory over the batch size (`
 the largest batch the line predicts to fit is found by bisection over replays of the allocator model,
 bracketed first by the allocated bytes alone, then settled by ``verify`` (a trace, a real step, or the
 line itself) at the guess and its neighbour. When the step's code depends on the batch size and no
-line can be drawn, it doubles and bisects on traces. ``batchfit.fit`` sets the search up and turns its
-answer into a ``FitResult``; the state of one search (``_Search``) is never carried between calls.
+line can be drawn, it doubles and bisects on traces. ``batchfit.fit`` sets the search up; the state of
+one search (``_Search``) is never carried between calls. A search point is a batch size here; the
+sequence search (``planning/seqlen.py``) reuses ``_Search`` with its points standing for lengths at a
+fixed batch (``step_at``), and both answer with the ``FitResult`` defined here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..errors import ConfigError, DoesNotFitError, TraceError
 from ..gpu.catalog import Device
@@ -27,13 +29,77 @@ _MAX_BATCH = 1 << 40
 
 @dataclass(frozen=True)
 class FitAttempt:
-    """One batch size the fitter looked at."""
+    """One step the fitter looked at: a batch size (and a sequence length when the sequence was searched)."""
 
     batch_size: int
     device_total_bytes: int | None
     fits: bool
     kind: str
     """``"trace"`` (a traced step), ``"real"`` (a real step on the device) or ``"predicted"``."""
+    seq_len: int | None = None
+    """The sequence length of the step (``fit(..., maximize="seq_len")``); None when the batch was searched."""
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The largest micro-batch that fits (or the longest sequence at a given batch), and how it was found."""
+
+    max_batch_size: int
+    """The largest micro-batch; with ``max_seq_len``, the batch the sequence was fitted at."""
+    trials: int
+    """Traced or real steps run (predictions from the line are not counted: they run no step)."""
+    estimate: Estimate
+    """The estimate at ``max_batch_size`` (and ``max_seq_len``)."""
+    device: str
+    capacity_bytes: int
+    """The budget compared against ``device_total_bytes`` (total memory, less the margin)."""
+    precision: str
+    checkpointing: bool
+    attempts: tuple[FitAttempt, ...] = field(default=())
+    line: TraceLine | None = field(default=None, compare=False, repr=False)
+    """The line the search drew (None when it traced its way instead); not part of ``to_dict``."""
+    traces: dict[int, MemoryTrace] = field(default_factory=dict, compare=False, repr=False)
+    """The traces the search ran, by batch size (by sequence length with ``max_seq_len``; one rank's,
+    before sharding); not part of ``to_dict``."""
+    capped: bool = False
+    """The search stopped at its limit: larger batches may fit too (with ``max_seq_len``: the longest
+    sequence the model takes fits)."""
+    max_seq_len: int | None = None
+    """The longest sequence that fits at ``max_batch_size`` (``fit(..., maximize="seq_len")``), else None."""
+    seq_multiple: int = 1
+    """The sequence lengths searched were multiples of this."""
+    seq_unit: str = "tokens"
+    """What one step of the sequence is (``samples`` for waveforms)."""
+
+    def trace_at(self, batch_size: int) -> MemoryTrace | None:
+        """The trace at ``batch_size``: traced, else predicted from the line (None without either)."""
+        if batch_size in self.traces:
+            return self.traces[batch_size]
+        return self.line.at(batch_size) if self.line is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (the estimate as a dict, attempts as a list)."""
+        return {
+            "max_batch_size": self.max_batch_size,
+            "trials": self.trials,
+            "device": self.device,
+            "capacity_bytes": self.capacity_bytes,
+            "precision": self.precision,
+            "checkpointing": self.checkpointing,
+            "estimate": self.estimate.to_dict(),
+            "attempts": [a.__dict__ for a in self.attempts],
+            "capped": self.capped,
+            "maximize": "batch_size" if self.max_seq_len is None else "seq_len",
+            "max_seq_len": self.max_seq_len,
+            "seq_multiple": self.seq_multiple,
+            "seq_unit": self.seq_unit,
+        }
+
+
+class Predictor(Protocol):
+    """The trace predicted at a search point: a ``TraceLine`` over batch sizes, or a curve over lengths."""
+
+    def at(self, b: int) -> MemoryTrace: ...
 
 
 class _Search:
@@ -63,27 +129,62 @@ class _Search:
         self.line: TraceLine | None = None
         self.progress: Callable[[str], None] | None = None
 
+    def result(self, estimate: Estimate, **answer: Any) -> FitResult:
+        """The ``FitResult`` of this search: ``answer`` (the size found, ``capped``, ...) and what it took."""
+        return FitResult(
+            trials=self.trials,
+            estimate=estimate,
+            device=self.device.name,
+            capacity_bytes=self.budget,
+            precision=self.policy.precision.value,
+            checkpointing=bool(self.classes),
+            attempts=tuple(self.attempts),
+            **answer,
+        )
+
+    def batch_size_at(self, b: int) -> int:
+        """The batch size of a step at search point ``b`` (here the point is the batch size)."""
+        return b
+
+    def step_at(self, b: int) -> tuple[Any, int, str]:
+        """The workload and batch size of search point ``b``, and the step in words (for progress)."""
+        return self.workload, b, f"{b} item{'s' if b != 1 else ''}"
+
+    def attempt(self, b: int, total: int | None, fits: bool, kind: str) -> FitAttempt:
+        """The record of one look at search point ``b``."""
+        return FitAttempt(b, total, fits, kind)
+
     def traced(self, b: int) -> Estimate:
         if b not in self.estimates:
-            progress, text = self.progress, f"tracing a step of {b} item{'s' if b != 1 else ''}"
+            workload, batch_size, words = self.step_at(b)
+            progress, text = self.progress, f"tracing a step of {words}"
             announce = None if progress is None else lambda: progress(text)
-            trace = trace_for_device(self.workload, b, self.device, self.policy, self.classes, announce)
+            trace = trace_for_device(workload, batch_size, self.device, self.policy, self.classes, announce)
             self.traces[b] = trace
-            self.estimates[b] = self._estimate(trace, b)
+            self.estimates[b] = self._estimate(trace, b, workload)
             self.trials += 1
             est = self.estimates[b]
-            self.attempts.append(FitAttempt(b, est.device_total_bytes, self.fits(est), "trace"))
+            self.attempts.append(self.attempt(b, est.device_total_bytes, self.fits(est), "trace"))
         return self.estimates[b]
 
-    def _estimate(self, trace: MemoryTrace, b: int) -> Estimate:
+    def real(self, b: int, step_fits: Callable[[Any, int], bool]) -> bool:
+        """Whether a real step at search point ``b`` runs (``step_fits(workload, batch_size)``), recorded."""
+        workload, batch_size, _ = self.step_at(b)
+        self.trials += 1
+        ok = step_fits(workload, batch_size)
+        self.attempts.append(self.attempt(b, None, ok, "real"))
+        return ok
+
+    def _estimate(self, trace: MemoryTrace, b: int, workload: Any = None) -> Estimate:
+        """The estimate of ``trace`` at search point ``b`` (of the searched workload unless ``workload``)."""
         if self.shard_over > 1:
             from ..memory.sharding import shard_trace
 
             trace = shard_trace(trace, self.shard_over)
         return finish_estimate(
             trace,
-            self.workload,
-            b,
+            self.workload if workload is None else workload,
+            self.batch_size_at(b),
             self.device,
             self.policy,
             self.classes,
@@ -95,10 +196,10 @@ class _Search:
         used = est.peak_reserved_bytes if self.reserved_only else est.device_total_bytes
         return used <= self.budget
 
-    def predicted_fits(self, line: TraceLine, b: int) -> bool:
+    def predicted_fits(self, line: Predictor, b: int) -> bool:
         return self.fits(self._estimate(line.at(b), b))
 
-    def allocated_fits(self, line: TraceLine, b: int) -> bool:
+    def allocated_fits(self, line: Predictor, b: int) -> bool:
         """A necessary condition, without replaying the allocator: what live tensors hold (plus the
         context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
         trace = line.at(b)
@@ -110,17 +211,19 @@ class _Search:
         return held + (0 if self.reserved_only else self.device.context_bytes) <= self.budget
 
 
-def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
-    """The largest b predicted to fit: bracketed by the cheap allocated-bytes bound, then settled with
-    the allocator model (each replay costs a pass over the trace's events; a few near the answer)."""
-    lo, hi = known_fit, known_fit * 2
-    while hi < _MAX_BATCH and search.allocated_fits(line, hi):
+def _largest_predicted(search: _Search, line: Predictor, known_fit: int, cap: int = _MAX_BATCH) -> int:
+    """The largest b up to ``cap`` predicted to fit: bracketed by the cheap allocated-bytes bound, then
+    settled with the allocator model (each replay costs a pass over the trace's events; a few near the
+    answer). ``known_fit`` fits (0: nothing is known to, and 0 is the answer when nothing is predicted to)."""
+    lo, hi = known_fit, max(2 * known_fit, known_fit + 1)
+    while hi <= cap and hi < _MAX_BATCH and search.allocated_fits(line, hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if search.allocated_fits(line, mid) else (lo, mid)
     # lo is the most the allocated bytes allow; the reserved bytes may allow a little less.
-    if search.predicted_fits(line, lo):
+    if lo == known_fit or search.predicted_fits(line, lo):
         return lo
     hi, step = lo, 1
     while hi - step > known_fit and not search.predicted_fits(line, hi - step):
@@ -132,16 +235,20 @@ def _largest_predicted(search: _Search, line: TraceLine, known_fit: int) -> int:
     return lo
 
 
-def _does_not_fit(workload: Any, device: Device, est: Estimate, budget: int, one_fails: str = "") -> DoesNotFitError:
-    """``est`` is the smallest batch traced: 1, or 2 when ``one_fails`` says why a step of one item cannot run."""
+def _does_not_fit(
+    workload: Any, device: Device, est: Estimate, budget: int, one_fails: str = "", *, at: str = "",
+    remedies: tuple[str, ...] = (),
+) -> DoesNotFitError:  # fmt: skip
+    """``est`` is the smallest step traced: batch size 1, or 2 when ``one_fails`` says why a step of one item
+    cannot run; or the shortest sequence, which ``at`` names, with the ``remedies`` that come first."""
     low = "bf16" if device.bf16 else "fp16"  # only remedies this GPU supports
-    remedies = [] if est.precision in (low, "bf16-true") else [f"--precision {low}"]
+    remedies = (*remedies, *([] if est.precision in (low, "bf16-true") else [f"--precision {low}"]))
     if not est.checkpointing and workload.checkpoint_blocks:
-        remedies.append("--checkpointing")
-    remedies += ["more GPUs with sharding (batchfit plan --gpus N)", "a larger GPU"]
+        remedies += ("--checkpointing",)
+    remedies += ("more GPUs with sharding (batchfit plan --gpus N)", "a larger GPU")
     why = f"; a step of one item cannot run: {one_fails}" if one_fails else ""
     return DoesNotFitError(
-        f"{workload.name} does not fit on {device.name} even at batch size {est.batch_size} with precision "
+        f"{workload.name} does not fit on {device.name} even at {at or f'batch size {est.batch_size}'} with precision "
         f"{est.precision}{' and checkpointing' if est.checkpointing else ''}: it needs "
         f"{format_bytes(est.device_total_bytes)} of {format_bytes(budget)}{why}; try {', '.join(remedies[:-1])} "
         f"or {remedies[-1]}"

@@ -107,11 +107,19 @@ def devices_table(devices: list[Any]) -> Table:
 
 
 def fit_table(result: Any) -> Group:
-    """The largest micro-batch, the attempts that found it, and the estimate there."""
+    """The largest micro-batch (or the longest sequence at a batch), the attempts that found it, the estimate there."""
+    seq = result.max_seq_len is not None
     head = Table(show_header=False, title=f"fit: {result.estimate.workload} on {result.device}", title_justify="left")
     head.add_column(style="bold")
     head.add_column(justify="right")
-    head.add_row("largest micro-batch", str(result.max_batch_size))
+    if seq:
+        longest = " (the model's longest)" if result.capped else ""
+        head.add_row("longest sequence", f"{result.max_seq_len} {result.seq_unit}{longest}")
+        head.add_row("at batch", str(result.max_batch_size))
+        if result.seq_multiple > 1:
+            head.add_row("lengths searched", f"multiples of {result.seq_multiple}")
+    else:
+        head.add_row("largest micro-batch", str(result.max_batch_size))
     head.add_row("precision", result.precision + (" + checkpointing" if result.checkpointing else ""))
     head.add_row("budget", format_bytes(result.capacity_bytes))
     head.add_row("device total at the maximum", format_bytes(result.estimate.device_total_bytes))
@@ -119,12 +127,24 @@ def fit_table(result: Any) -> Group:
         head.add_row("CUDA context", result.estimate.context_assumption)
     head.add_row("steps traced or run", str(result.trials))
     attempts = Table(title="attempts", title_justify="left")
-    for col in ("batch", "kind", "device total", "fits"):
+    for col in ("length" if seq else "batch", "kind", "device total", "fits"):
         attempts.add_column(col, justify="right")
     for a in result.attempts:
         total = "-" if a.device_total_bytes is None else format_bytes(a.device_total_bytes)
-        attempts.add_row(str(a.batch_size), a.kind, total, Text("yes", "green") if a.fits else Text("no", "red"))
-    return Group(head, attempts)
+        point = a.seq_len if seq else a.batch_size
+        attempts.add_row(str(point), a.kind, total, Text("yes", "green") if a.fits else Text("no", "red"))
+    return Group(Text(seq_len_line(result)), head, attempts) if seq else Group(head, attempts)
+
+
+def seq_len_line(result: Any) -> str:
+    """One line saying the longest sequence at the batch, what it holds of the budget, and what it cost."""
+    longest = ", the model's longest" if result.capped else ""
+    multiple = f", a multiple of {result.seq_multiple}" if result.seq_multiple > 1 else ""
+    return (
+        f"longest sequence at batch {result.max_batch_size}: {result.max_seq_len} {result.seq_unit}{longest} "
+        f"({format_bytes(result.estimate.device_total_bytes)} of {format_bytes(result.capacity_bytes)} on "
+        f"{result.device}{multiple}; {result.trials} step{'s' if result.trials != 1 else ''} traced or run)"
+    )
 
 
 def plan_table(plan: Any) -> Group:

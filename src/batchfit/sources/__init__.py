@@ -96,12 +96,19 @@ def with_lora(workload: Workload, lora: LoraSpec | str) -> Workload:
     spec = parse_lora(lora) if isinstance(lora, str) else lora
     if isinstance(workload.model, nn.Module):
         raise ConfigError("adapters need the workload's model as a factory (model=lambda: MyNet()), not an instance")
+    rebuild = workload.at_seq_len
     return dataclasses.replace(
         workload,
         model=partial(with_adapters, workload.model, spec),
         name=f"{workload.name} + {spec.describe()}",
         config={**workload.config, "adapters": spec.describe()},
+        at_seq_len=None if rebuild is None else partial(_with_lora_at, rebuild, spec),
     )
+
+
+def _with_lora_at(rebuild: Any, spec: LoraSpec, seq_len: int) -> Workload:
+    """The adapted workload at ``seq_len``: the base rebuilt there, then adapted alike."""
+    return with_lora(rebuild(seq_len), spec)
 
 
 def load(

@@ -65,9 +65,16 @@ def with_fused_loss(workload: Workload, kind: str) -> Workload:
     task = workload.config.get("task") or workload.config.get("kind")
     if task not in (None, "causal-lm"):
         raise ConfigError(f"--fused-loss applies to causal language models; this workload trains {task}")
+    rebuild = workload.at_seq_len
     return dataclasses.replace(
         workload,
         loss=partial(fused_lm_loss, kind),
         name=f"{workload.name} + {_NAMES[kind]}",
         config={**workload.config, "fused_loss": kind},
+        at_seq_len=None if rebuild is None else partial(_with_fused_loss_at, rebuild, kind),
     )
+
+
+def _with_fused_loss_at(rebuild: Any, kind: str, seq_len: int) -> Workload:
+    """The workload at ``seq_len``: the base rebuilt there, its loss fused alike."""
+    return with_fused_loss(rebuild(seq_len), kind)

@@ -215,6 +215,9 @@ def workload_from_config(
     kwargs: dict[str, Any] = {}
     if optimizer is not None:
         kwargs["optimizer"] = optimizer
+    if chosen.modality != "image":  # every other task's items have a length: tokens, or a waveform's samples
+        kwargs["at_seq_len"] = partial(_at_seq_len, config, chosen.name, name, optimizer, lora)
+        kwargs["max_seq_len"] = None if chosen.modality == "audio" else limit
     return Workload(
         model=model,
         batch=batch,
@@ -223,6 +226,12 @@ def workload_from_config(
         tokens_per_item=tokens,
         checkpoint_blocks=blocks,
         config={"task": chosen.name, "model_class": class_name, "seq_len": length,
-                "model_type": getattr(config, "model_type", "?")},  # fmt: skip
+                "model_type": getattr(config, "model_type", "?"),
+                **({"seq_unit": "samples"} if chosen.modality == "audio" else {})},  # fmt: skip
         **kwargs,
     )
+
+
+def _at_seq_len(config: Any, task: str, name: str | None, optimizer: Any, lora: Any, seq_len: int) -> Workload:
+    """The same model, head, optimizer and adapters at ``seq_len`` (``Workload.at_seq_len``)."""
+    return workload_from_config(config, task=task, seq_len=seq_len, name=name, optimizer=optimizer, lora=lora)
