@@ -280,12 +280,17 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()
 
 
+def own_files() -> list[Path]:
+    """Every source file of the batchfit package (the package's root, not only ``cache/``)."""
+    return sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
+
+
 @functools.cache
 def _own_source() -> str:
     """A digest of batchfit's own source files: a changed estimator never reuses an old trace."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in own_files():
         h.update(str(path.relative_to(root)).encode())
         with contextlib.suppress(OSError):
             h.update(path.read_bytes())

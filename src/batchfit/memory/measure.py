@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..checkpointing import checkpoint_classes
 from ..precision import policy_for
-from ..workload import Workload, model_tensors
+from ..workload import Workload, model_tensors, optimizer_tensors
 from .steps import build_for_steps, run_workload_steps
 
 
@@ -63,15 +63,6 @@ def live_storage_bytes(tensors: Any) -> int:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors an optimizer holds before its first step (Adagrad makes its sums in its constructor;
-    a tensor learning rate lives in its groups): live when the profiler starts, so never an event."""
-    from torch.utils._pytree import tree_flatten
-
-    held = [*optimizer.state.values(), *({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)]
-    return [t for t in tree_flatten(held)[0] if isinstance(t, torch.Tensor)]
 
 
 def _allocation_events(prof: Any) -> list[tuple[int, int, int]] | None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..workload import model_tensors, trainable_parameters
+from ..workload import model_tensors, optimizer_tensors, trainable_parameters
 from .categories import Category
 from .flops import op_flops
 from .tracker import RoleBook, StorageTracker
@@ -327,6 +327,11 @@ class Tracer:
                 self._own(sid, tensor)
         for p in self.model.parameters():
             self._note_rows(p)
+        # What the optimizer made in its constructor (Adagrad's sums, bitsandbytes' quantisation maps)
+        # is held from the start, as the model's tensors are.
+        for tensor in optimizer_tensors(self.optimizer):
+            sid = self._tracker.register(tensor)
+            self._roles.mark(sid, Category.OPTIMIZER_STATES)
         for p in trainable_parameters(self.model):
             handle = p.register_post_accumulate_grad_hook(self._grad_hook)
             stack.callback(handle.remove)
