@@ -38,7 +38,7 @@ from typing import Any
 # torch and transformers. All of it goes into the key; anything that cannot be described (an object
 # with no stable description) makes the workload uncacheable rather than risk a stale answer.
 
-_FORMAT = 3
+_FORMAT = 4
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
 _SIMPLE = (int, float, bool, str, bytes, type(None), complex)
 
@@ -303,7 +303,7 @@ def _library_versions() -> tuple[str, ...]:
     from .. import __version__
 
     versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version()]
-    for name in ("transformers", "peft"):
+    for name in ("transformers", "peft", "bitsandbytes", "torchao"):
         module = sys.modules.get(name)
         versions.append(f"{name} {getattr(module, '__version__', '-')}")
     return tuple(versions)

@@ -24,7 +24,7 @@ from .steps import build_for_steps, run_workload_steps
 
 
 @contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
+def stderr_silenced() -> Iterator[None]:
     # Kineto prints "profiler_start"/"profiler_stop" lines straight to file descriptor 2 from C++;
     # the profiler is an internal measuring tool here, so those lines are noise to the user.
     try:
@@ -47,12 +47,12 @@ def _stderr_silenced() -> Iterator[None]:
 def cpu_memory_profile() -> Iterator[Any]:
     """``torch.profiler`` recording the CPU allocator's events, without its start/stop chatter."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _stderr_silenced():
+    with stderr_silenced():
         prof.__enter__()
     try:
         yield prof
     finally:
-        with _stderr_silenced():
+        with stderr_silenced():
             prof.__exit__(None, None, None)
 
 

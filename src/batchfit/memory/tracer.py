@@ -59,14 +59,20 @@ class MemoryTrace:
     storage), whether autograd copied it into a new storage there rather than keeping the backward op's
     own output, and the module whose backward made it (``module`` names the parameter's). What a second
     micro-batch does differently is decided by these (``memory/accumulation.py``)."""
+    paged: set[int] = field(default_factory=set)
+    """Storages in CUDA unified memory (paged optimizer states on a GPU, ``memory/paged.py``): events like
+    any other, but outside the caching allocator, so left out of its replay (``allocations``) and of
+    ``memory_allocated``'s peak, and counted in ``Estimate.paged_optimizer_bytes`` instead."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
-        """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
-        nbytes = self.nbytes
+        """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays (paged
+        storages, which the allocator never sees, left out)."""
+        nbytes, paged = self.nbytes, self.paged
         for e in self.events:
             if e >= 0:
-                yield True, e, nbytes[e]
-            else:
+                if e not in paged:
+                    yield True, e, nbytes[e]
+            elif ~e not in paged:
                 yield False, ~e, nbytes[~e]
 
     def phase_at(self, index: int) -> tuple[str, int]:
