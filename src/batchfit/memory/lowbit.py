@@ -14,15 +14,13 @@ So the trace steps a stand-in instead. Its states are the subclasses' own tensor
 optimizer's own ``_new_buffer`` run on a meta copy of the parameter (so which tensors are quantised,
 with which block size, codes and map, is torchao's decision, not a copy of it); each is kept in the
 state as a plain tensor (``exp_avg.codes``, ``exp_avg.scale``, ``exp_avg.qmap``), next to the 0-d
-fp32 ``step`` torchao keeps. Its update allocates nothing: on a GPU the compiled kernel reads the
-gradient and the states and writes the parameter and the states in place.
+fp32 ``step`` torchao keeps. Its update is one op (NOTE [ The update's CPU scratch ]) whose fake kernel
+allocates nothing: on a GPU the compiled kernel reads the gradient and the states and writes the
+parameter and the states in place.
 
 Limitations:
-    On the CPU the compiled kernel is C++ from inductor, which keeps fp32 rows of each quantised state
-    for its block-wise reduction while it runs (two tensors of the parameter's size for the moment of
-    one parameter's update); the stand-in does not, so a CPU estimate of a step whose peak is in the
-    update is low by those rows. What the CUDA kernel keeps is inductor's choice too: the estimate
-    assumes a fully fused kernel.
+    What the CUDA kernel keeps while it runs is inductor's choice: the estimate assumes a fully fused
+    kernel (nothing beyond its outputs). On the CPU the kernel runs for real and is measured.
 """
 
 from __future__ import annotations

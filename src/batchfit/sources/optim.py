@@ -54,7 +54,8 @@ uses."""
 #   to both (``transformers/trainer_optimizer.py``, ``_get_torchao_optimizer``).
 # - transformers' Adafactor without ``beta1`` (the Trainer's): a row and a column factor of the
 #   second moment for a matrix (``exp_avg_sq_row`` / ``_col``), a full one for a vector, in the
-#   gradient's dtype (``transformers/optimization.py``, ``Adafactor.step``).
+#   gradient's dtype, and the parameter's ``RMS`` as a 0-d fp32 tensor (``transformers/optimization.py``,
+#   ``Adafactor.step``).
 def _moments(k: int) -> StateBytes:
     return lambda n, rows, elem: k * n * elem
 
@@ -80,9 +81,10 @@ def _torchao(bits: int, block: int = 256) -> StateBytes:
 
 
 def _adafactor(n: int, rows: int | None, elem: int) -> int:
+    rms = 4  # the parameter's root mean square, a 0-d fp32 tensor
     if rows is None or rows in (0, n):  # a vector (or a scalar): the full second moment
-        return n * elem
-    return (rows + n // rows) * elem
+        return n * elem + rms
+    return (rows + n // rows) * elem + rms
 
 
 @dataclass(frozen=True)
