@@ -8,7 +8,8 @@
   the model is built from its config alone (``sources/hub.py``), its task head from the config's
   ``architectures`` (or ``task=``).
 
-Any of them can be fine-tuned through adapters (``lora=``, a ``LoraSpec`` or a ``--lora`` string).
+Any of them can be fine-tuned through adapters (``lora=``, a ``LoraSpec`` or a ``--lora`` string), and
+trained with an optimizer by name (``optimizer="paged_adamw_8bit"``; ``optimizer_factory``, ``sources/optim.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 from ..errors import ConfigError, UnknownNameError
 from ..workload import Workload
 from .lora import LoraSpec, parse_lora, with_adapters
+from .optim import optimizer_factory
 
-__all__ = ["LoraSpec", "load", "parse_lora"]
+__all__ = ["LoraSpec", "load", "optimizer_factory", "parse_lora"]
 
 _HUB_KEYS = ("seq_len", "optimizer", "lr")
 
@@ -110,8 +112,8 @@ def load(spec: str, *, task: str | None = None, lora: LoraSpec | str | None = No
             a ``config.json``.
         task: the training task of a hub model (``causal-lm``, ``text-classification``, ...).
         lora: adapters to fine-tune instead of the whole model.
-        overrides: preset knobs / function arguments; for a hub model ``seq_len``, ``optimizer``,
-            ``lr`` and any config field (``num_hidden_layers=2``).
+        overrides: preset knobs / function arguments; for a hub model ``seq_len``, ``optimizer`` (a name:
+            ``sources.optim.names()``), ``lr`` and any config field (``num_hidden_layers=2``).
 
     Raises:
         ConfigError: one line naming the fix (unknown name, unreadable file, missing config, ...).

@@ -232,6 +232,8 @@ def optimizer_class(name: str) -> type:
             f"optimizer {name!r} needs {package}, which is not installed ({type(e).__name__}: "
             f"{(str(e).splitlines() or [package])[0]}); install it with: {fix}"
         ) from None
+    if package == "torchao":  # its compiled update warns at every training's first steps: see the NOTE below
+        warnings.filterwarnings("ignore", message=_NO_CACHE_HASH)
     return getattr(module, attr)
 
 
@@ -242,9 +244,11 @@ def optimizer_class(name: str) -> type:
 # is missing, and warns "Paged optimizers are not supported on CPU" once per optimizer that pages on
 # the CPU (``Optimizer8bit.get_state_buffer``), which is the fallback batchfit models there anyway.
 # None of it is for the user of batchfit: it is held back while batchfit imports, builds and traces an
-# optimizer.
+# optimizer, and the cache-hash warning for good once a torchao optimizer is built by name (it comes
+# from the compiled update of every real step, in the user's own training loop).
 _LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree")
 _PAGED_ON_CPU = "Paged optimizers are not supported on CPU"
+_NO_CACHE_HASH = ".*does not implement _stable_hash_for_caching"
 
 
 @contextlib.contextmanager
@@ -257,7 +261,7 @@ def quiet_third_party() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_PAGED_ON_CPU)
             warnings.filterwarnings("ignore", category=UserWarning, module="torchao")
-            warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
+            warnings.filterwarnings("ignore", message=_NO_CACHE_HASH)
             yield
     finally:
         for logger, level in saved:
