@@ -2,10 +2,11 @@
 matter for memory (``--optimizer``, a preset's or hub model's ``optimizer=``).
 
 ``optimizer_factory(name, lr)`` is the ``params -> Optimizer`` a ``Workload`` takes: picklable, it
-builds the real class the name stands for (``names()`` lists them; ``describe()`` says which class).
-Classes come from ``torch``, ``bitsandbytes`` (the ``qlora`` extra), ``torchao`` (the ``lowbit``
-extra) or ``transformers`` (the ``hf`` extra), imported only when a factory runs and without their
-import-time chatter; a missing package is one line naming the extra that installs it.
+builds the real class the name stands for (``names()`` lists them; NOTE [ Optimizer states per tensor,
+by name ] says what each keeps). Classes come from ``torch``, ``bitsandbytes`` (the ``qlora`` extra),
+``torchao`` (the ``lowbit`` extra) or ``transformers`` (the ``hf`` extra), imported only when a factory
+runs and without their import-time chatter; a missing package is one line naming the extra that
+installs it.
 
 The classes are the training's own: a traced step runs them on fake tensors as they are, except
 where one cannot step there (torchao's, whose states are tensor subclasses updated by a compiled
@@ -96,15 +97,11 @@ class OptimizerSpec:
     kwargs: tuple[tuple[str, Any], ...]
     """Arguments besides the parameters and the learning rate (the Trainer's, for an HF name)."""
     summary: str
-    """One line for listings."""
+    """What it is, in one line."""
     states: StateBytes
     """Bytes of states per trainable tensor (NOTE [ Optimizer states per tensor, by name ])."""
     lr: float = 1e-3
     """The learning rate when none is given (memory does not depend on it)."""
-
-    @property
-    def package(self) -> str:
-        return self.target.split(".")[0]
 
 
 _BNB = "bitsandbytes.optim"
@@ -122,8 +119,6 @@ _SPECS: dict[str, OptimizerSpec] = {
     ),
     "adamw_8bit": OptimizerSpec(f"{_BNB}:AdamW", (("optim_bits", 8), ("is_paged", False)),
                                 "bitsandbytes AdamW, 8-bit states", _bnb_8bit(2)),
-    "adamw_bnb_8bit": OptimizerSpec(f"{_BNB}:AdamW", (("optim_bits", 8), ("is_paged", False)),
-                                    "bitsandbytes AdamW, 8-bit states", _bnb_8bit(2)),
     "paged_adamw_8bit": OptimizerSpec(f"{_BNB}:AdamW", (("optim_bits", 8), ("is_paged", True)),
                                       "bitsandbytes AdamW, 8-bit states in paged memory", _bnb_8bit(2)),
     "paged_adamw_32bit": OptimizerSpec(f"{_BNB}:AdamW", (("optim_bits", 32), ("is_paged", True)),
@@ -141,20 +136,13 @@ _SPECS: dict[str, OptimizerSpec] = {
     "adamw_torch_4bit": OptimizerSpec("torchao.optim:AdamW4bit", (("block_size", 256),),
                                       "torchao AdamW4bit (4-bit states)", _torchao(4)),
 }  # fmt: skip
-_ALIASES = {"lion": "lion_32bit"}
+_ALIASES = {"lion": "lion_32bit", "adamw_bnb_8bit": "adamw_8bit"}  # the Trainer's two names for one class
 _EXTRAS = {"bitsandbytes": "qlora", "torchao": "lowbit", "transformers": "hf"}
 
 
 def names() -> list[str]:
     """Every optimizer name accepted, aliases included."""
     return [*_SPECS, *_ALIASES]
-
-
-def describe() -> list[tuple[str, str]]:
-    """``(name, what it builds)`` for every name."""
-    return [(name, spec.summary) for name, spec in _SPECS.items()] + [
-        (alias, f"= {target}") for alias, target in _ALIASES.items()
-    ]
 
 
 def spec(name: str) -> OptimizerSpec:
