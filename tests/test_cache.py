@@ -102,6 +102,16 @@ def test_a_new_batchfit_version_never_reuses_a_trace(monkeypatch: pytest.MonkeyP
     assert _misses(lambda: _estimate(wl)) == 1
 
 
+def test_an_edit_anywhere_in_batchfit_never_reuses_a_trace() -> None:
+    """The source digest covers every module (the tracer and the estimator, not only the cache's own)."""
+    from batchfit.cache.keys import own_files
+
+    root = Path(batchfit.__file__).resolve().parent
+    names = {str(p.relative_to(root)) for p in own_files()}
+    assert {"memory/tracer.py", "memory/estimate.py", "cache/keys.py", "workload.py"} <= names
+    assert names == {str(p.relative_to(root)) for p in root.rglob("*.py")}
+
+
 def test_a_corrupt_cache_file_is_ignored_with_a_note() -> None:
     wl = presets.get("gpt", **TINY)
     first = _estimate(wl, 3)

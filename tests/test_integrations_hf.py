@@ -150,6 +150,47 @@ def test_the_optimizer_of_args_optim_is_traced(model: Any, out_dir: str, optim: 
         assert 0 < states < weights  # factored second moments
 
 
+def _expected_states(optim: str, sizes: list[int]) -> int:
+    """The states of ``optim`` on tensors of ``sizes`` values, in the allocator's blocks (a GPU estimate's)."""
+    from batchfit.memory.allocator import round_size as r
+
+    moments = 1 if "lion" in optim else 2
+    if optim.endswith("32bit"):  # bitsandbytes: fp32 whatever the parameter's dtype
+        return sum(moments * r(4 * n) for n in sizes)
+    if optim in ("adamw_bnb_8bit", "paged_adamw_8bit", "lion_8bit"):  # uint8 + an absmax per 256 from 4096 values
+        quantised = sum(moments * (r(n) + r(4 * -(-n // 256))) if n >= 4096 else moments * r(4 * n) for n in sizes)
+        return quantised + 2 * r(1024)  # the two quantisation maps, shared by every tensor
+    codes, table = (1, 1024) if optim == "adamw_torch_8bit" else (2, 64)  # torchao: codes, a scale per 256, a map
+    quantised = sum(2 * (r(n // codes) + r(4 * n // 256) + r(table)) if n >= 4096 and n % 256 == 0 else 2 * r(4 * n)
+                    for n in sizes)  # fmt: skip
+    return quantised + len(sizes) * r(4) + 2 * r(4)  # a 0-d step per parameter, a tensor lr per group
+
+
+@pytest.mark.parametrize(
+    "optim",
+    ["adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit", "adamw_torch_8bit",
+     "adamw_torch_4bit"],
+)  # fmt: skip
+def test_low_bit_and_paged_optimizers_of_args_optim_are_traced(model: Any, out_dir: str, optim: str) -> None:
+    """The Trainer's own class and arguments, traced as ``--optimizer`` traces the same name: bitsandbytes' as
+    they are (paged buffers only from 1e5 values: none here), torchao's through their stand-in."""
+    import batchfit
+    from batchfit.integrations._hf_workload import trainer_config
+
+    args = arguments(out_dir, optim=optim)
+    wl = trainer_workload(model, args, sample=example(0))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    from transformers import Trainer
+
+    reference = Trainer(model=model, args=args, train_dataset=[example(0)]).create_optimizer()
+    built = wl.optimizer(trainable)
+    assert type(built) is type(reference) and built.defaults == reference.defaults
+    with trainer_config(model, args):
+        est = batchfit.estimate(wl, 2, device="A100-80GB")
+    assert est.breakdown["optimizer_states"] == _expected_states(optim, [p.numel() for p in trainable])
+    assert est.paged_optimizer_bytes == 0 and est.analytic["optimizer"] == optim
+
+
 def test_fixed_precision_and_checkpointing_are_kept(model: Any, out_dir: str) -> None:
     args = arguments(out_dir, bf16=True, activation_checkpointing=True)
     planned, plan = plan_training_arguments(model, args, 4, device=_gpu(), sample=example(0))

@@ -159,7 +159,10 @@ def test_peft_adapters_in_bf16_true_train_only_the_adapters(tmp_path: Path, adap
     assert at_step[Category.PARAMETERS] == weights
     assert at_step[Category.GRADIENTS] == grads
     assert at_step.get(Category.OPTIMIZER_STATES, 0) == states
-    assert batchfit.estimate(wl, 2, device="L4", precision="bf16-true").fits
+    est = batchfit.estimate(wl, 2, device="L4", precision="bf16-true")
+    assert est.fits
+    # the closed form counts the adapters' gradients and moments only (no step counters), not the frozen base's
+    assert (est.analytic["gradients"], est.analytic["optimizer_states"]) == (grads, 2 * grads)
 
 
 def test_cli_estimates_a_local_config_with_lora(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

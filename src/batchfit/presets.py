@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # the presets' models import torch when a preset is built, no
 Knobs = dict[str, tuple[type, Any]]
 """Name -> (type, default) of the overrides a preset accepts."""
 
-_DEFAULT_LR = {"adamw": 1e-3, "adam": 1e-3, "sgd": 1e-2}
 _COMMON: Knobs = {"optimizer": (str, "adamw"), "lr": (float, None)}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -70,21 +69,18 @@ def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
 
 
 def make_optimizer(name: str, lr: float | None = None) -> Callable[..., torch.optim.Optimizer]:
-    """``params -> Optimizer`` for ``adamw``, ``adam`` or ``sgd`` (momentum 0.9) at ``lr`` (None: its default).
+    """``params -> Optimizer`` for an optimizer name at ``lr`` (None: its default).
+
+    ``adamw``, ``adam``, ``sgd`` (momentum 0.9) and the Hugging Face ``optim`` names that matter for memory
+    (``adamw_8bit``, ``paged_adamw_8bit``, ``adafactor``, ``lion``, ...): ``batchfit.sources.optim``.
 
     Raises:
-        UnknownNameError: another optimizer name.
+        UnknownNameError: another optimizer name (the message lists the valid ones).
+        MissingExtraError: the package of its class is not installed.
     """
-    import torch
+    from .sources.optim import optimizer_factory
 
-    if name not in _DEFAULT_LR:
-        raise UnknownNameError("optimizer", name, list(_DEFAULT_LR))
-    lr = _DEFAULT_LR[name] if lr is None else float(lr)
-    if name == "adamw":
-        return partial(torch.optim.AdamW, lr=lr, weight_decay=0.01)
-    if name == "adam":
-        return partial(torch.optim.Adam, lr=lr)
-    return partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    return optimizer_factory(name, lr)
 
 
 def _coerce(preset: str, key: str, typ: type, value: Any) -> Any:
@@ -135,10 +131,10 @@ def _resolve(preset: str, knobs: Knobs, overrides: Mapping[str, Any]) -> dict[st
         if typ is float and key != "dropout" and not value > 0.0:
             raise ConfigError(f"preset {preset!r}: {key} must be positive, got {value!r}")
         cfg[key] = value
-    if cfg["optimizer"] not in _DEFAULT_LR:
-        raise UnknownNameError("optimizer", cfg["optimizer"], list(_DEFAULT_LR))
+    from .sources.optim import default_lr
+
     if cfg["lr"] is None:
-        cfg["lr"] = _DEFAULT_LR[cfg["optimizer"]]
+        cfg["lr"] = default_lr(cfg["optimizer"])  # an unknown name: one error listing the valid ones
     return cfg
 
 
@@ -287,8 +283,9 @@ def _at_seq_len(name: str, overrides: dict[str, Any], seq_len: int) -> Workload:
 def get(name: str, **overrides: Any) -> Workload:
     """The preset ``name`` with its knobs changed by ``overrides`` (e.g. ``seq_len=256``, ``lr=3e-4``).
 
-    Every preset accepts ``optimizer`` (``adamw``, ``adam`` or ``sgd``) and ``lr``; the others are listed
-    in the error raised for an unknown one.
+    Every preset accepts ``optimizer`` (``adamw``, ``adam``, ``sgd`` or a Hugging Face ``optim`` name such
+    as ``paged_adamw_8bit``: ``batchfit.sources.optim.names()``) and ``lr``; the others are listed in the
+    error raised for an unknown one.
 
     Raises:
         UnknownNameError: no preset of that name (the message suggests close ones).

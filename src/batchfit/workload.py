@@ -125,11 +125,39 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
                 seen.setdefault(id(t), t)
     for module in model.modules():
         for name, value in vars(module).items():
-            if name.startswith("_"):
-                continue
-            if isinstance(value, dict):
-                value = list(value.values())
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
-                    seen.setdefault(id(v), v)
+            if not name.startswith("_"):
+                for v in _held(value):
+                    if not isinstance(v, nn.Parameter):
+                        seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
+def _held(value: Any) -> list[Any]:
+    """``value``'s tensors, one container deep (a tensor, or a dict/list/tuple of them)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor an optimizer holds before its first step: memory from its construction on.
+
+    Adagrad makes its sums in its constructor (``optimizer.state``), a tensor learning rate lives in
+    the parameter groups, and bitsandbytes' 8-bit optimizers keep their quantisation maps as an
+    attribute (``name2qmap``, two 256-entry fp32 tables made by ``fill_qmap`` in ``__init__``).
+    Attributes are looked at one container deep, as in ``model_tensors``; the parameters are not
+    the optimizer's.
+    """
+    from torch.utils._pytree import tree_flatten
+
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = [*optimizer.state.values(), *({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)]
+    found = [t for t in tree_flatten(held)[0] if isinstance(t, torch.Tensor)]
+    for name, value in vars(optimizer).items():
+        if not name.startswith("_") and name not in ("state", "param_groups"):
+            found.extend(_held(value))
+    seen: dict[int, torch.Tensor] = {}
+    for t in found:
+        if id(t) not in params:
+            seen.setdefault(id(t), t)
     return list(seen.values())

@@ -50,7 +50,8 @@ _SQRT_FRAGMENTS = ("adam", "rmsprop", "adafactor", "lamb")
 
 
 def _optimizer_name(optimizer: Any) -> str:
-    """The class name of an Optimizer instance, an Optimizer class, a ``partial`` of one, or a name."""
+    """The class name of an Optimizer instance, an Optimizer class, a ``partial`` of one, a factory by name
+    (``optimizer_factory("lion_8bit")``, a workload's ``optimizer``), or a name."""
     if isinstance(optimizer, str):
         return optimizer
     if isinstance(optimizer, functools.partial):
@@ -59,6 +60,9 @@ def _optimizer_name(optimizer: Any) -> str:
         return type(optimizer).__name__
     if isinstance(optimizer, type):
         return optimizer.__name__
+    named = getattr(optimizer, "name", None)
+    if callable(optimizer) and isinstance(named, str) and named:  # a factory by name (sources.optim, args.optim)
+        return named
     raise ConfigError(
         f"optimizer must be an Optimizer, an Optimizer class or a name like 'adamw', got {type(optimizer).__name__}"
     )

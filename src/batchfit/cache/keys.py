@@ -39,7 +39,7 @@ from typing import Any
 # torch and transformers. All of it goes into the key; anything that cannot be described (an object
 # with no stable description) makes the workload uncacheable rather than risk a stale answer.
 
-_FORMAT = 3
+_FORMAT = 4
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
 _SIMPLE = (int, float, bool, str, bytes, type(None), complex)
 
@@ -283,12 +283,17 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()
 
 
+def own_files() -> list[Path]:
+    """Every source file of the batchfit package (the package's root, not only ``cache/``)."""
+    return sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
+
+
 @functools.cache
 def _own_source() -> str:
     """A digest of batchfit's own source files: a changed estimator never reuses an old trace."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in own_files():
         h.update(str(path.relative_to(root)).encode())
         with contextlib.suppress(OSError):
             h.update(path.read_bytes())
@@ -301,7 +306,7 @@ def _library_versions() -> tuple[str, ...]:
     from .. import __version__
 
     versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version()]
-    for name in ("transformers", "peft"):
+    for name in ("transformers", "peft", "bitsandbytes", "torchao"):
         module = sys.modules.get(name)
         versions.append(f"{name} {getattr(module, '__version__', '-')}")
     return tuple(versions)

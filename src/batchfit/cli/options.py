@@ -48,7 +48,15 @@ DeviceOpt = Annotated[
 ]
 PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, bf16, fp16 or bf16-true.")]
 SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (language-model presets).")]
-OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="adamw, adam or sgd (presets).")]
+OptimizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--optimizer",
+        help="adamw (default), adam, sgd, or a Hugging Face optim name: adamw_torch, adamw_8bit, paged_adamw_8bit, "
+        "paged_adamw_32bit, lion (lion_32bit), lion_8bit, paged_lion_8bit, adafactor, adamw_torch_8bit, "
+        "adamw_torch_4bit, ... (presets and hub models).",
+    ),
+]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set n_layer=4.")
 ]

@@ -19,6 +19,7 @@ from torch import nn
 from ..checkpointing import UseReentrant
 from ..checkpointing import model_layers as checkpoint_layers
 from ..errors import ConfigError
+from ..sources.optim import construct, quiet_third_party
 from ..workload import Workload
 from ._common import RepeatedItems, one_line, require
 
@@ -69,10 +70,19 @@ class TrainerLoss:
 
 class TrainerOptimizer:
     """``params -> Optimizer`` as ``Trainer.create_optimizer`` builds it: the class and arguments of
-    ``args.optim``, with weight decay on the parameters it names and none on biases and norms."""
+    ``args.optim``, with weight decay on the parameters it names and none on biases and norms.
 
-    def __init__(self, cls: type, kwargs: dict[str, Any], decay: list[bool], weight_decay: float) -> None:
+    Built as ``--optimizer`` builds the same name (``sources/optim.construct``): without third-party
+    chatter, traced as it is or through its stand-in (torchao's, ``memory/lowbit.py``), paged states
+    counted as unified memory on a GPU (``memory/paged.py``).
+    """
+
+    def __init__(
+        self, cls: type, kwargs: dict[str, Any], decay: list[bool], weight_decay: float, name: str = ""
+    ) -> None:
         self.cls, self.kwargs, self.decay, self.weight_decay = cls, kwargs, decay, weight_decay
+        self.name = name
+        """The ``args.optim`` it stands for (the analytic estimate reads its states' closed form by it)."""
 
     def __call__(self, params: Any) -> torch.optim.Optimizer:
         params = list(params)
@@ -81,7 +91,7 @@ class TrainerOptimizer:
             {"params": [p for p, d in zip(params, decay) if d], "weight_decay": self.weight_decay},
             {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0},
         ]
-        return self.cls([g for g in groups if g["params"]], **self.kwargs)
+        return construct(self.cls, [g for g in groups if g["params"]], **self.kwargs)
 
 
 def trainer_optimizer(model: nn.Module, args: TrainingArguments) -> TrainerOptimizer:
@@ -91,7 +101,8 @@ def trainer_optimizer(model: nn.Module, args: TrainingArguments) -> TrainerOptim
         ConfigError: an optimizer the ``Trainer`` cannot build here (unknown, or its package is missing).
     """
     try:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        with quiet_third_party():  # the Trainer imports bitsandbytes or torchao for their names
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except Exception as e:  # noqa: BLE001 - ValueError (unknown), ImportError (bitsandbytes, ...): one line
         raise ConfigError(f"the Trainer cannot build optimizer {_optim_name(args)!r}: {one_line(e)}") from e
     kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "model", "optimizer_dict")}
@@ -100,7 +111,7 @@ def trainer_optimizer(model: nn.Module, args: TrainingArguments) -> TrainerOptim
     except Exception:  # noqa: BLE001 - older or patched transformers: one group, as before the split
         names = {n for n, _ in model.named_parameters()}
     decay = [n in names for n, p in model.named_parameters() if p.requires_grad]
-    return TrainerOptimizer(cls, dict(kwargs), decay, float(args.weight_decay))
+    return TrainerOptimizer(cls, dict(kwargs), decay, float(args.weight_decay), _optim_name(args))
 
 
 def _signature_columns(model: nn.Module, args: TrainingArguments) -> set[str] | None:

@@ -1,13 +1,17 @@
 """The closed-form memory equation: instant and approximate, kept beside the trace as a cross-check.
 
-    memory ~ P*(w + g + s*k) + activations(batch)
+    memory ~ W + sum over trainable tensors (g*n + states(n)) + activations(batch)
 
-with ``P`` trainable parameters, ``w``/``g`` the bytes of a weight/gradient element, ``k`` optimizer
-states of ``s`` bytes each (AdamW: 2, SGD with momentum: 1). For transformer-shaped workloads the
-activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", section 4.1: per layer ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit training (no sequence or
-tensor parallelism), which we scale by 2 for fp32 activations; with full activation checkpointing
-only the ``2*s*b*h`` bytes of each layer's input remain.
+with ``W`` the bytes of the weights and buffers, ``n`` the values of each trainable tensor, ``g`` the
+bytes of a gradient value and ``states(n)`` the bytes the optimizer keeps for a tensor of ``n``
+values: two moments in the parameter's dtype for Adam/AdamW, one for SGD with momentum, a row and a
+column for Adafactor's matrices, about 2.03 B a value for 8-bit AdamW (``batchfit.sources.optim``,
+NOTE [ Optimizer states per tensor, by name ]). Frozen parameters (LoRA's base) have neither gradients
+nor states. For transformer-shaped workloads the activations follow Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", section 4.1: per layer
+``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit training (no sequence or tensor parallelism), which we scale
+by 2 for fp32 activations; with full activation checkpointing only the ``2*s*b*h`` bytes of each
+layer's input remain.
 
 It is wrong in both directions, which is why batchfit traces: it ignores the logits and loss buffers
 (large for big vocabularies), optimizer temporaries, autocast weight copies and the fact that the peak
@@ -21,8 +25,6 @@ from typing import Any
 from ..precision import Precision, PrecisionPolicy
 from .categories import Category
 from .trace import MemoryTrace
-
-_STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd": 1}
 
 
 def _transformer_shape(config: dict[str, Any]) -> tuple[int, int, int, int] | None:
@@ -42,19 +44,45 @@ def _transformer_shape(config: dict[str, Any]) -> tuple[int, int, int, int] | No
     return layers, hidden, heads, seq  # type: ignore[return-value]
 
 
+def trainable_tensors(trace: MemoryTrace) -> list[tuple[int, int | None]]:
+    """``(bytes, rows)`` of each trainable parameter's gradient in the trace's first step (``rows``: its
+    first dimension, None when unknown): the trainable tensors, as the only ones that get gradients."""
+    end = next((index for index, phase, _ in trace.phases if phase == "optimizer"), len(trace.events))
+    return [
+        (trace.nbytes[e], trace.rows.get(e))
+        for e in trace.events[:end]
+        if e >= 0 and trace.role.get(e) is Category.GRADIENTS
+    ]
+
+
+def optimizer_name(workload: Any) -> str:
+    """The optimizer's name: a named factory's (``sources.optim``, the HF adapter's ``args.optim``), else
+    a preset's knob, else ``adamw`` (what the equation assumes of an optimizer it cannot name)."""
+    name = getattr(workload.optimizer, "name", None)
+    if not isinstance(name, str) or not name:
+        name = str(workload.config.get("optimizer", "adamw"))
+    return name.lower()
+
+
 def analytic_estimate(
     workload: Any, batch_size: int, policy: PrecisionPolicy, trace: MemoryTrace
 ) -> dict[str, Any]:
     """The equation's terms in bytes, and what they were computed from.
 
-    Parameter bytes are counted from the trace's parameter storages (the only thing taken from it);
-    the rest is arithmetic.
+    Parameter bytes are counted from the trace's parameter storages and the trainable tensors' sizes
+    from its first step's gradients (the only things taken from it); the rest is arithmetic.
     """
+    from ..sources.optim import known_states
+
     param_bytes = sum(n for sid, n in trace.nbytes.items() if trace.role.get(sid) is Category.PARAMETERS)
     elem = 2 if policy.precision is Precision.BF16_TRUE else 4
-    n_params = param_bytes // elem
-    optimizer = str(workload.config.get("optimizer", "adamw")).lower()
-    k = _STATES_PER_PARAM.get(optimizer, 2)
+    optimizer = optimizer_name(workload)
+    states = known_states(optimizer)
+    if states is None:  # an optimizer the equation does not know: AdamW's two moments
+        states = known_states("adamw")
+    tensors = trainable_tensors(trace)
+    n_trainable = sum(nbytes // elem for nbytes, _ in tensors)
+    state_bytes = sum(states(nbytes // elem, rows, elem) for nbytes, rows in tensors)  # type: ignore[misc]
     shape = _transformer_shape(workload.config)
     activations = None
     source = "unknown (not a transformer-shaped preset)"
@@ -66,15 +94,16 @@ def analytic_estimate(
         source = "Korthikanti et al. 2022, sec. 4.1"
     terms = {
         "parameters": param_bytes,
-        "gradients": n_params * elem,
-        "optimizer_states": n_params * elem * k,
+        "gradients": sum(nbytes for nbytes, _ in tensors),
+        "optimizer_states": state_bytes,
         "activations": activations,
     }
     total = sum(v for v in terms.values() if v is not None)
     return {
         **terms,
         "total": total,
-        "trainable_parameters_approx": n_params,
-        "optimizer_states_per_parameter": k,
+        "trainable_parameters_approx": n_trainable,
+        "optimizer": optimizer,
+        "optimizer_states_per_parameter": round(state_bytes / (n_trainable * elem), 3) if n_trainable else 0,
         "activations_source": source,
     }

@@ -38,7 +38,8 @@ class Estimate:
     peak_reserved_bytes: int
     """Bytes the caching allocator holds at its peak (``memory_reserved``); equal to allocated on CPU."""
     device_total_bytes: int
-    """What nvidia-smi would show: reserved + CUDA context (cuBLAS workspaces are inside reserved)."""
+    """What nvidia-smi would show: reserved + CUDA context (cuBLAS workspaces are inside reserved) + paged
+    optimizer states (``paged_optimizer_bytes``)."""
     capacity_bytes: int | None
     """The device's total memory (None: no limit)."""
     breakdown: dict[str, int]
@@ -67,6 +68,12 @@ class Estimate:
     """The context in one line: its size and its source (``Device.describe_context``)."""
     cudnn_workspace_bytes: int = 0
     """The largest cuDNN convolution workspace of the step (transient; ``memory/cudnn.py``)."""
+    paged_optimizer_bytes: int = 0
+    """Optimizer states in CUDA unified memory (a paged bitsandbytes optimizer on a GPU): outside the
+    caching allocator, so in neither ``peak_allocated_bytes`` nor ``peak_reserved_bytes``; held on the GPU
+    once touched, so in ``device_total_bytes``. When the GPU fills, the driver moves their pages to host
+    RAM and back: the step slows down instead of failing (``memory/paged.py``). 0 on the CPU, where
+    paged optimizers are their non-paged selves."""
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -103,8 +110,11 @@ def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
 
     ``rounded`` counts each storage as the caching allocator's block (512-byte multiples), as
     ``torch.cuda.memory_allocated`` does; otherwise exact bytes, as the CPU allocator holds them.
+    Paged storages (``MemoryTrace.paged``) are not the allocator's and count 0.
     """
     size = {sid: (round_size(n) if rounded else n) for sid, n in trace.nbytes.items()}
+    for sid in trace.paged:
+        size[sid] = 0
     live = peak = 0
     peak_index = 0
     for i, e in enumerate(trace.events):
@@ -168,6 +178,7 @@ def estimate_from_trace(
         if stats is None:
             stats = replay(trace.allocations(), expandable_segments=expandable_segments)
         reserved, retries = stats.peak_reserved_bytes, stats.num_alloc_retries
+    paged = paged_bytes(trace)
     phase, step = trace.phase_at(reading.event_index)
     workspace = sum(round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace"))
     conv_workspace = max(
@@ -181,7 +192,7 @@ def estimate_from_trace(
         checkpointing=checkpointing,
         peak_allocated_bytes=reading.peak_bytes,
         peak_reserved_bytes=reserved,
-        device_total_bytes=reserved + context,
+        device_total_bytes=reserved + context + paged,
         capacity_bytes=device.total_bytes,
         breakdown=reading.by_category,
         per_module=reading.by_module,
@@ -196,7 +207,24 @@ def estimate_from_trace(
         context_source="" if device.exact else device.context_source,
         context_assumption="" if device.exact else device.describe_context(),
         cudnn_workspace_bytes=conv_workspace,
+        paged_optimizer_bytes=paged,
     )
+
+
+def paged_bytes(trace: MemoryTrace) -> int:
+    """The most bytes the trace holds in unified memory at once (``MemoryTrace.paged``)."""
+    paged = trace.paged
+    if not paged:
+        return 0
+    live = most = 0
+    for e in trace.events:
+        if e >= 0:
+            if e in paged:
+                live += trace.nbytes[e]
+                most = max(most, live)
+        elif ~e in paged:
+            live -= trace.nbytes[~e]
+    return most
 
 
 def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
@@ -340,6 +368,7 @@ def _trace_for_device(
         emulation=emulation,
         foreach_optimizer=not device.exact,
         host_memory_counts=device.exact,
+        unified_memory=not device.exact,
     )
 
 

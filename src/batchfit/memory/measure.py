@@ -19,12 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..checkpointing import checkpoint_classes
 from ..precision import policy_for
-from ..workload import Workload, model_tensors
+from ..workload import Workload, model_tensors, optimizer_tensors
 from .steps import build_for_steps, run_workload_steps
 
 
 @contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
+def stderr_silenced() -> Iterator[None]:
     # Kineto prints "profiler_start"/"profiler_stop" lines straight to file descriptor 2 from C++;
     # the profiler is an internal measuring tool here, so those lines are noise to the user.
     try:
@@ -47,12 +47,12 @@ def _stderr_silenced() -> Iterator[None]:
 def cpu_memory_profile() -> Iterator[Any]:
     """``torch.profiler`` recording the CPU allocator's events, without its start/stop chatter."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _stderr_silenced():
+    with stderr_silenced():
         prof.__enter__()
     try:
         yield prof
     finally:
-        with _stderr_silenced():
+        with stderr_silenced():
             prof.__exit__(None, None, None)
 
 
@@ -63,15 +63,6 @@ def live_storage_bytes(tensors: Any) -> int:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors an optimizer holds before its first step (Adagrad makes its sums in its constructor;
-    a tensor learning rate lives in its groups): live when the profiler starts, so never an event."""
-    from torch.utils._pytree import tree_flatten
-
-    held = [*optimizer.state.values(), *({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)]
-    return [t for t in tree_flatten(held)[0] if isinstance(t, torch.Tensor)]
 
 
 def _allocation_events(prof: Any) -> list[tuple[int, int, int]] | None:

@@ -24,7 +24,8 @@ NOTE [ Replaying kernels safely ]
 Inputs are zeros, except where zeros would be wrong: a small tensor whose value the trace knows
 (``memory/values.py``: lengths, indices, masks) is replayed with that value, and an opaque byte
 tensor an earlier op produced (the oneDNN RNN ``workspace`` that ``mkldnn_rnn_layer_backward``
-reads as pointers and offsets) is replayed with the real bytes the producer's own replay made. An op
+reads as pointers and offsets; not a byte buffer made by a factory such as ``zeros``, which 8-bit optimizer
+states are) is replayed with the real bytes the producer's own replay made. An op
 whose opaque input has no real counterpart is not replayed (its scratch is counted as zero and the
 trace says so): a kernel fed a zero-filled workspace can take the process down.
 
@@ -52,6 +53,10 @@ from .tracker import sparse_tensor_error
 from .values import adopt, real_of
 
 _SKIP_NAMESPACES = {"profiler"}
+_FACTORIES = tuple(f"aten.{name}." for name in ("zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty",
+                                                 "full", "full_like", "new_full"))  # fmt: skip
+"""Ops whose uint8 output is a buffer made to be filled (8-bit optimizer states), not a kernel's opaque
+workspace: replayed with zeros like any other input."""
 _MARK = "batchfit_probe_"
 
 
@@ -166,7 +171,8 @@ class CpuScratchProbe:
                 return True, torch.empty(0, dtype=x.dtype).set_(
                     kept.untyped_storage(), x.storage_offset(), x.shape, x.stride()
                 )
-        if x.dtype == torch.uint8 and sid is not None and tracer.trace.op.get(sid, "").startswith("aten."):
+        made_by = tracer.trace.op.get(sid, "") if sid is not None else ""
+        if x.dtype == torch.uint8 and made_by.startswith("aten.") and not made_by.startswith(_FACTORIES):
             return False, None  # an opaque buffer an op made (a workspace): zeros could crash the kernel
         value = real_of(x)
         if value is not None:

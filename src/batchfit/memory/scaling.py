@@ -66,7 +66,7 @@ class TraceLine:
         h = self.high
         return MemoryTrace(
             events=h.events, nbytes=self.nbytes_at(b), role=h.role, module=h.module, phases=h.phases, op=h.op,
-            notes=h.notes, flops=self.flops_at(b), rows=h.rows,
+            notes=h.notes, flops=self.flops_at(b), rows=h.rows, paged=h.paged,
         )  # fmt: skip
 
 

@@ -61,6 +61,7 @@ def trace_workload(
     foreach_optimizer: bool = False,
     host_memory_counts: bool = True,
     steps: int = 2,
+    unified_memory: bool = False,
 ) -> MemoryTrace:
     """Trace ``steps`` training steps of ``workload`` at ``batch_size`` on fake CPU tensors.
 
@@ -75,6 +76,8 @@ def trace_workload(
             does for CUDA parameters (``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``);
             fake CPU parameters would otherwise get the per-parameter loop, which allocates far less
             scratch than the multi-tensor kernels a GPU runs.
+        unified_memory: the device has CUDA unified memory: the states a paged optimizer would put
+            there are recorded in ``MemoryTrace.paged`` (``memory/paged.py``).
     """
     from ..checkpointing import apply_checkpointing
     from .construct import build_fake_model, fake_session, materialize_lazy
@@ -93,18 +96,22 @@ def trace_workload(
         return _trace_steps(
             workload, model, optimizer, batch_size, values, notes,
             param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,
-            host_memory_counts=host_memory_counts, steps=steps,
+            host_memory_counts=host_memory_counts, steps=steps, unified_memory=unified_memory,
         )  # fmt: skip
 
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
+    """The workload's optimizer on the fake parameters, as a traced step runs it (``memory/lowbit.py``)."""
     from ..errors import BatchfitError, ConfigError
+    from ..sources.optim import quiet_third_party
+    from .lowbit import traceable
 
     params = trainable_parameters(model)
     if not params:
         raise ConfigError("the model has no trainable parameter (every requires_grad is False); nothing to train")
     try:
-        return workload.optimizer(params)
+        with quiet_third_party():
+            return traceable(workload.optimizer(params))
     except BatchfitError:
         raise
     except Exception as e:
@@ -125,9 +132,12 @@ def _trace_steps(
     emulation: Callable[[], contextlib.AbstractContextManager] | None,
     host_memory_counts: bool,
     steps: int,
+    unified_memory: bool = False,
 ) -> MemoryTrace:
+    from ..sources.optim import quiet_third_party
     from .compat import counted_rng_states, counted_saved_numbers
     from .fused_loss import fused_losses_traced
+    from .paged import paged_states
     from .steps import run_workload_steps
 
     tracer = Tracer(model, optimizer, kernels)
@@ -141,8 +151,11 @@ def _trace_steps(
     if host_memory_counts:
         rng = counted_rng_states(tracer.register_kept)
         numbers = counted_saved_numbers(tracer.register_kept, tracer.saved_pack)
+    paged: Any = contextlib.nullcontext()
+    if unified_memory:
+        paged = paged_states(optimizer, tracer.storage_id, tracer.trace.paged)
     try:
-        with emulate, fused_losses_traced() as replaced, tracer, rng, numbers:
+        with emulate, fused_losses_traced() as replaced, tracer, rng, numbers, paged, quiet_third_party():
             notes.extend(replaced)
             run_workload_steps(
                 workload,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..workload import model_tensors, trainable_parameters
+from ..workload import model_tensors, optimizer_tensors, trainable_parameters
 from .categories import Category
 from .flops import op_flops
 from .tracker import RoleBook, StorageTracker
@@ -59,14 +59,20 @@ class MemoryTrace:
     storage), whether autograd copied it into a new storage there rather than keeping the backward op's
     own output, and the module whose backward made it (``module`` names the parameter's). What a second
     micro-batch does differently is decided by these (``memory/accumulation.py``)."""
+    paged: set[int] = field(default_factory=set)
+    """Storages in CUDA unified memory (paged optimizer states on a GPU, ``memory/paged.py``): events like
+    any other, but outside the caching allocator, so left out of its replay (``allocations``) and of
+    ``memory_allocated``'s peak, and counted in ``Estimate.paged_optimizer_bytes`` instead."""
 
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
-        """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays."""
-        nbytes = self.nbytes
+        """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays (paged
+        storages, which the allocator never sees, left out)."""
+        nbytes, paged = self.nbytes, self.paged
         for e in self.events:
             if e >= 0:
-                yield True, e, nbytes[e]
-            else:
+                if e not in paged:
+                    yield True, e, nbytes[e]
+            elif ~e not in paged:
                 yield False, ~e, nbytes[~e]
 
     def phase_at(self, index: int) -> tuple[str, int]:
@@ -332,6 +338,11 @@ class Tracer:
                 self._own(sid, tensor)
         for p in self.model.parameters():
             self._note_rows(p)
+        # What the optimizer made in its constructor (Adagrad's sums, bitsandbytes' quantisation maps)
+        # is held from the start, as the model's tensors are.
+        for tensor in optimizer_tensors(self.optimizer):
+            sid = self._tracker.register(tensor)
+            self._roles.mark(sid, Category.OPTIMIZER_STATES)
         for p in trainable_parameters(self.model):
             handle = p.register_post_accumulate_grad_hook(self._grad_hook)
             stack.callback(handle.remove)

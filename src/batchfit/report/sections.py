@@ -60,6 +60,8 @@ def _estimate_section(r: Report) -> str:
     ]
     if est.context_bytes:
         device.append(["CUDA context", _e(format_bytes(est.context_bytes))])
+    if getattr(est, "paged_optimizer_bytes", 0):
+        device.append(["paged optimizer states (unified memory)", _e(format_bytes(est.paged_optimizer_bytes))])
     device.append(["device total (nvidia-smi)", _e(format_bytes(est.device_total_bytes))])
     if est.capacity_bytes is not None:
         verdict = '<span class="fits">fits</span>' if est.fits else '<span class="nofit">does not fit</span>'

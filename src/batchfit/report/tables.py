@@ -16,6 +16,15 @@ def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:5.1f}%" if whole else "-"
 
 
+def paged_note(paged_bytes: int) -> str:
+    """What the paged optimizer states' line means, in one sentence."""
+    return (
+        f"paged optimizer states: {format_bytes(paged_bytes)} in CUDA unified memory, outside PyTorch's allocator "
+        "(not in peak reserved), held on the GPU once touched (in the device total); when the GPU fills, the "
+        "driver moves their pages to host RAM and back, so the step slows down instead of running out of memory"
+    )
+
+
 def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     """Breakdown at the peak, top modules, analytic vs traced, and the device's headroom."""
     title = (
@@ -57,6 +66,9 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
         device.add_row("cuBLAS workspaces (in reserved)", format_bytes(est.workspace_bytes))
     if getattr(est, "cudnn_workspace_bytes", 0):
         device.add_row("largest cuDNN conv workspace (transient)", format_bytes(est.cudnn_workspace_bytes))
+    paged = getattr(est, "paged_optimizer_bytes", 0)
+    if paged:
+        device.add_row("paged optimizer states (unified memory)", format_bytes(paged))
     device.add_row("device total (nvidia-smi)", format_bytes(est.device_total_bytes))
     if est.capacity_bytes is not None:
         device.add_row("capacity", format_bytes(est.capacity_bytes))
@@ -74,6 +86,8 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     parts: list[Any] = [breakdown, device, modules]
     if getattr(est, "context_assumption", ""):
         parts.append(Text(f"CUDA context: {est.context_assumption}", style="dim"))
+    if paged:
+        parts.append(Text(paged_note(paged), style="dim"))
     notes = getattr(est, "notes", ())
     if notes:
         parts.append(Text("assumed while tracing:\n" + "\n".join(f"  - {n}" for n in notes), style="yellow"))

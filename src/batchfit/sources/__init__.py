@@ -8,8 +8,9 @@
   the model is built from its config alone (``sources/hub.py``), its task head from the config's
   ``architectures`` (or ``task=``).
 
-Any of them can be fine-tuned through adapters (``lora=``, a ``LoraSpec`` or a ``--lora`` string), and a
-causal language model can be trained with a fused linear cross-entropy (``fused_loss="liger"`` or
+Any of them can be fine-tuned through adapters (``lora=``, a ``LoraSpec`` or a ``--lora`` string), and
+trained with an optimizer by name (``optimizer="paged_adamw_8bit"``; ``optimizer_factory``, ``sources/optim.py``);
+a causal language model can be trained with a fused linear cross-entropy (``fused_loss="liger"`` or
 ``"cce"``, ``sources/fused.py``).
 """
 
@@ -25,8 +26,9 @@ from typing import Any
 from ..errors import ConfigError, UnknownNameError
 from ..workload import Workload
 from .lora import LoraSpec, parse_lora, with_adapters
+from .optim import optimizer_factory
 
-__all__ = ["LoraSpec", "load", "parse_lora"]
+__all__ = ["LoraSpec", "load", "optimizer_factory", "parse_lora"]
 
 _HUB_KEYS = ("seq_len", "optimizer", "lr")
 
@@ -128,8 +130,8 @@ def load(
         lora: adapters to fine-tune instead of the whole model.
         fused_loss: ``"liger"`` or ``"cce"``: the loss of a causal language model as a fused linear
             cross-entropy computes it (no logits materialised).
-        overrides: preset knobs / function arguments; for a hub model ``seq_len``, ``optimizer``,
-            ``lr`` and any config field (``num_hidden_layers=2``).
+        overrides: preset knobs / function arguments; for a hub model ``seq_len``, ``optimizer`` (a name:
+            ``sources.optim.names()``), ``lr`` and any config field (``num_hidden_layers=2``).
 
     Raises:
         ConfigError: one line naming the fix (unknown name, unreadable file, missing config, a fused loss on
