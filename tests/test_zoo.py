@@ -56,3 +56,14 @@ def test_cpu_estimate_is_the_allocator_peak(entry: Entry) -> None:
     gpu = batchfit.estimate(workload, entry.batch_size, device="A100-80GB")
     assert gpu.peak_reserved_bytes >= gpu.peak_allocated_bytes > 0
     assert gpu.device_total_bytes == gpu.peak_reserved_bytes + gpu.context_bytes
+
+
+def test_an_estimate_does_not_depend_on_a_cache_a_real_run_filled_before_it() -> None:
+    """BEiT caches its relative position index per window size in a module-level ``lru_cache``: a real
+    step run earlier in the process leaves it warm, and the estimate is still the first step's."""
+    from zoo import BY_NAME
+
+    workload = BY_NAME["beit-relpos"].make()
+    measure_cpu_peak(workload, 2)  # the cache now holds a real index for this window
+    est = batchfit.estimate(workload, 2, device="cpu")
+    assert est.peak_allocated_bytes == measure_cpu_peak(workload, 2)

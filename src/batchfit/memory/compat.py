@@ -92,33 +92,51 @@ def fake_kernel_fixes() -> Iterator[None]:
         yield
 
 
-_LRU_WRAPPERS: tuple[int, list[Any]] = (-1, [])
+_LRU_WRAPPERS: tuple[int, list[Any], list[Any]] = (-1, [], [])
 
 
-def _lru_wrappers() -> list[Any]:
-    """Every ``functools.lru_cache`` wrapper alive, found once per set of imported modules."""
+def _lru_wrappers() -> tuple[list[Any], list[Any]]:
+    """Every ``functools.lru_cache`` wrapper alive, and those defined beside a model's layers (in a
+    module that defines an ``nn.Module``), found once per set of imported modules."""
     global _LRU_WRAPPERS
     if _LRU_WRAPPERS[0] != len(sys.modules):
         wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
-        _LRU_WRAPPERS = (len(sys.modules), wrappers)
-    return _LRU_WRAPPERS[1]
+        _LRU_WRAPPERS = (len(sys.modules), wrappers, [w for w in wrappers if _defines_layers(w)])
+    return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
+
+
+def _defines_layers(wrapper: Any) -> bool:
+    name = getattr(wrapper, "__module__", None) or ""
+    module = sys.modules.get(name)
+    if module is None or name.split(".")[0] in ("torch", "batchfit"):
+        return False
+    try:
+        return any(isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == name
+                   for v in vars(module).values())  # fmt: skip
+    except Exception:  # a module whose namespace cannot be read holds no layers we trace
+        return False
 
 
 @contextlib.contextmanager
 def fakes_kept_out_of_caches() -> Iterator[None]:
-    """Clear the ``lru_cache``s that stored a result during the trace.
+    """Trace and real run each compute what a model caches, as a fresh process would.
 
     Models cache tensors in module-level ``lru_cache``s (transformers' BEiT caches its relative
     position index by window size). A cache filled during the trace holds *fake* tensors, which the
     user's next real step would be handed; a cache filled by an earlier real run would hand the
-    trace a real tensor it never allocates. Caches that stored something new during the trace are
-    cleared afterwards, so both runs compute their own (the real run as it would in a fresh process).
+    trace a real tensor it never allocates, so the estimate would depend on what ran before it in
+    the process. The caches of modelling code (modules that define layers) are cleared before the
+    trace, and every cache that stored something new during it is cleared afterwards, so both runs
+    compute their own (the real run as it would in a fresh process: the first step, the larger).
     """
-    before = {id(w): w.cache_info().misses for w in _lru_wrappers()}
+    every, of_layers = _lru_wrappers()
+    for w in of_layers:
+        w.cache_clear()
+    before = {id(w): w.cache_info().misses for w in every}
     try:
         yield
     finally:
-        for w in _lru_wrappers():
+        for w in _lru_wrappers()[0]:
             if w.cache_info().misses != before.get(id(w), 0):
                 w.cache_clear()
 
