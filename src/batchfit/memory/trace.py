@@ -61,6 +61,7 @@ def trace_workload(
     foreach_optimizer: bool = False,
     host_memory_counts: bool = True,
     steps: int = 2,
+    depth: Any = None,
 ) -> MemoryTrace:
     """Trace ``steps`` training steps of ``workload`` at ``batch_size`` on fake CPU tensors.
 
@@ -75,6 +76,8 @@ def trace_workload(
             does for CUDA parameters (``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``);
             fake CPU parameters would otherwise get the per-parameter loop, which allocates far less
             scratch than the multi-tensor kernels a GPU runs.
+        depth: a ``memory.depth.DepthCut``: the built model's stacks are cut to a few blocks and the
+            trace's events labelled by block, for ``memory.depth.trace_deep`` to write the full depth.
     """
     from ..checkpointing import apply_checkpointing
     from .construct import build_fake_model, fake_session, materialize_lazy
@@ -87,13 +90,15 @@ def trace_workload(
             model.train()
             if materialize_lazy(model, workload):
                 notes.append("lazy modules were initialised by one forward pass on a batch of one item")
+        if depth is not None:
+            depth.apply(model)
         optimizer = _make_optimizer(workload, model)
         if foreach_optimizer and prefer_foreach(optimizer):
             notes.append("capturable=True: traced without it (CPU tensors refuse it); its step counters are counted")
         return _trace_steps(
             workload, model, optimizer, batch_size, values, notes,
             param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,
-            host_memory_counts=host_memory_counts, steps=steps,
+            host_memory_counts=host_memory_counts, steps=steps, recorder=getattr(depth, "recorder", None),
         )  # fmt: skip
 
 
@@ -125,11 +130,12 @@ def _trace_steps(
     emulation: Callable[[], contextlib.AbstractContextManager] | None,
     host_memory_counts: bool,
     steps: int,
+    recorder: Any = None,
 ) -> MemoryTrace:
     from .compat import counted_rng_states, counted_saved_numbers
     from .steps import run_workload_steps
 
-    tracer = Tracer(model, optimizer, kernels)
+    tracer = Tracer(model, optimizer, kernels, recorder)
     values.where = tracer.current_module
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
     # Checkpointing's saved RNG states are CPU tensors: device memory when the device is the CPU, host

@@ -1,0 +1,150 @@
+"""A deep model's trace written from a trace of the same step with its stacks cut to two periods.
+
+NOTE [ Depth synthesis ]
+A trace costs time in proportion to the model's depth, and most models repeat one block N times: the
+same ops on the same shapes, the same parameter, gradient and optimizer-state storages, the same
+activations kept for backward. So the step is traced with every stack (``memory/stacks.py``) cut to
+two periods of its repeating blocks (two blocks, or four where layers alternate), each event labelled
+with the block it belongs to (``memory/blocklabels.py``), and the full-depth trace is written from it
+(``memory/sweeps.py``): wherever the cut step sweeps over the blocks (a forward, a backward in reverse,
+the parameters' registration, each of the optimizer's loops, ``zero_grad``), the missing blocks'
+events are written between the first period and the second, each block's as the traced blocks' are,
+with fresh storages; a storage a block frees of another block is that block's neighbour at the same
+distance. The allocator model then replays it as any trace: nothing downstream knows.
+
+What it assumes, and checks on the cut trace before it is used:
+
+* the blocks of a period repeat: the events of block ``k`` equal those of block ``k + period`` up to
+  storage identity (sizes, roles, ops, modules, gradient hand-overs, FLOPs), but at the two ends,
+  where a block has no neighbour (the first block frees the embedding's output where the others free
+  their predecessor's), and for storages made once (a library's workspace), which the first traced
+  block makes alone;
+* every event of a sweep belongs to one block's turn, in order, with nothing of the other parts between
+  two blocks; an op outside the blocks never computes one tensor from several of them (a loss over
+  every layer's router logits has the depth in its size);
+* the forward does not depend on a block's index other than by the period, nor on the number of
+  blocks, and the model reaches its blocks through their container (a block cut away raises if
+  called).
+
+A trace that fails a check, or a step that fails cut, is traced at full depth and the estimate's notes
+say why; so is any container of like blocks that is not a stack (blocks that differ in shape, share
+parameters, or are uninitialised). ``tests/test_depth.py`` compares the written traces with real
+full-depth ones, event for event, across the zoo. ``BATCHFIT_DEPTH_SYNTHESIS=0`` turns it off.
+
+On the CPU the trace measures real kernels' scratch per op signature (``memory/probe.py``); the blocks
+a trace leaves out run the signatures of those it keeps, so the written trace is the CPU's as well.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks
+from .sweeps import Irregular, write_full_depth
+from .tracer import MemoryTrace
+
+__all__ = ["STATS", "DepthCut", "synthesis_enabled", "trace_deep"]
+
+ENV = "BATCHFIT_DEPTH_SYNTHESIS"
+
+
+def synthesis_enabled() -> bool:
+    """Whether deep models are traced cut and written at full depth (``BATCHFIT_DEPTH_SYNTHESIS``, on
+    unless ``0``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class DepthStats:
+    """What the traces of this process did (for benchmarks and curiosity)."""
+
+    blocks_traced: int = 0
+    """Repeating blocks that ran in traced steps."""
+    blocks_written: int = 0
+    """Repeating blocks the traces stand for (traced + written)."""
+    full_depth: list[str] = field(default_factory=list)
+    """Why a trace that could have been cut was traced at full depth."""
+
+
+STATS = DepthStats()
+
+
+class DepthCut:
+    """The cut of one traced model: its stacks, and the recorder that labels its trace's events.
+
+    ``trace_workload`` calls ``apply`` on the built model before it makes the optimizer; when a stack
+    was cut, ``recorder`` is the ``BlockRecorder`` to give the ``Tracer``.
+    """
+
+    def __init__(self) -> None:
+        self.stacks: list[Stack] = []
+        self.reasons: list[str] = []
+        self.recorder: Any = None
+        self.root = ""
+
+    def apply(self, model: nn.Module) -> None:
+        """Find ``model``'s stacks and cut each to two periods of its repeating blocks."""
+        from .blocklabels import BlockRecorder, block_labels
+
+        self.stacks, self.reasons = find_stacks(model)
+        if not self.stacks:
+            return
+        cut_stacks(model, self.stacks)
+        self.root = type(model).__name__
+        prefixes = {}
+        for s, stack in enumerate(self.stacks):
+            for b in range(stack.kept):
+                index = stack.start + b
+                prefixes[f"{stack.path}.{index}" if stack.path else str(index)] = (s, b)
+        modules, tensors = block_labels(model, self.root, prefixes)
+        self.recorder = BlockRecorder(modules, tensors)
+
+
+def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
+    """The full-depth trace of a step: ``trace(cut)`` traces it cut (``cut.apply`` on the model) and it
+    is written at full depth, or ``trace(None)`` traces it as it is (see the NOTE)."""
+    if not synthesis_enabled():
+        return trace(None)
+    cut = DepthCut()
+    try:
+        shallow = trace(cut)
+    except Exception as e:  # noqa: BLE001 - a cut step that fails is traced whole (which raises if it must)
+        if not cut.stacks:
+            raise
+        reason = f"the step failed with its stacks cut ({_why(e)})"
+        return _full_depth(trace, reason)
+    if not cut.stacks:
+        for reason in cut.reasons:
+            shallow.notes.append(f"traced at full depth (no depth synthesis): {reason}")
+        return shallow
+    try:
+        labels = cut.recorder.labels(shallow)
+        if labels.mixed:
+            raise Irregular(labels.mixed)
+        full = write_full_depth(shallow, labels, cut.stacks, cut.root)
+    except Irregular as e:
+        return _full_depth(trace, str(e))
+    STATS.blocks_traced += sum(s.kept for s in cut.stacks)
+    STATS.blocks_written += sum(s.length for s in cut.stacks)
+    full.notes.extend(f"traced at full depth (no depth synthesis): {r}" for r in cut.reasons)
+    return full
+
+
+def _why(e: Exception) -> str:
+    from ..errors import first_line
+
+    if isinstance(e.__cause__, BlockCalledAfterCut):
+        e = e.__cause__
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def _full_depth(trace: Callable[[DepthCut | None], MemoryTrace], reason: str) -> MemoryTrace:
+    STATS.full_depth.append(reason)
+    full = trace(None)
+    full.notes.append(f"traced at full depth (no depth synthesis): {reason}")
+    return full
