@@ -6,8 +6,8 @@ block (period 1), or alternating (local/global attention, a dense and a mixture-
 other block: period 2). A block's own index, and any integer attribute that grows by one from block
 to block with it (``layer_idx``), is not a setting. The run may leave out blocks at either end that
 differ (T5's first block, which alone holds the relative-position table). ``cut_stacks`` keeps the
-first two periods of each run and the blocks around it, renumbered as ``ModuleList`` renumbers after a
-deletion, so that the model's own code indexes and iterates the shorter container as usual; a block
+first four periods of each run and the blocks around it, renumbered as ``ModuleList`` renumbers after
+a deletion, so that the model's own code indexes and iterates the shorter container as usual; a block
 that was cut away raises if anything still calls it. What the cut model's trace says about the full
 model is ``memory/depth.py``'s business.
 """
@@ -24,7 +24,10 @@ __all__ = ["BlockCalledAfterCut", "Stack", "cut_stacks", "find_stacks"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MIN_CANDIDATE = 3
-"""Blocks of one class a container needs before it is looked at as a stack at all."""
+"""Blocks a container needs before it is looked at as a stack at all."""
+KEPT_PERIODS = 4
+"""Periods of a stack the cut keeps: the first and last (which may differ, being at the ends of the
+stack) and two between them, which must repeat exactly (``memory/sweeps.py``)."""
 
 
 class BlockCalledAfterCut(RuntimeError):
@@ -47,17 +50,17 @@ class Stack:
 
     @property
     def kept(self) -> int:
-        """Repeating blocks the cut keeps: two periods."""
-        return 2 * self.period
+        """Repeating blocks the cut keeps: four periods (the first, two between, the last)."""
+        return KEPT_PERIODS * self.period
 
     @property
     def inserted(self) -> int:
-        """Blocks written into the trace beyond those traced."""
+        """Blocks written into the trace beyond those traced (between the second period and the third)."""
         return self.length - self.kept
 
     def full_index(self, shallow: int) -> int:
         """The container index, in the full model, of the cut container's block ``shallow``."""
-        if shallow < self.start + self.period:
+        if shallow < self.start + 2 * self.period:
             return shallow
         return shallow + self.inserted
 
@@ -94,7 +97,8 @@ def _raw_signature(block: nn.Module) -> tuple[list[Any], dict[tuple[str, str], A
             lazy = lazy or is_lazy(t)
             ids.append(id(t))
             tensors.append((key, () if is_lazy(t) else tuple(t.shape), t.dtype, t.requires_grad, t.layout))
-        rows.append((name, type(module), tuple(tensors), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
+        hooks = (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks))
+        rows.append((name, type(module), tuple(tensors), hooks))
         for key, value in _settings(module).items():
             settings[(name, key)] = value
     return rows, settings, ids, lazy
@@ -138,8 +142,8 @@ def _numbered(container: nn.Module) -> list[nn.Module] | None:
 
 
 def find_stacks(model: nn.Module) -> tuple[list[Stack], list[str]]:
-    """The stacks worth cutting (outermost first, none inside another's block), and why each container
-    of like blocks that is not one was left whole.
+    """The stacks worth cutting (outermost first, none inside another's block), and why a container of
+    like blocks that holds most of the model's parameters is not one.
     """
     stacks: list[Stack] = []
     reasons: list[str] = []
@@ -148,27 +152,30 @@ def find_stacks(model: nn.Module) -> tuple[list[Stack], list[str]]:
     for module in model.modules():
         for _, t in _tensors(module):
             owners[id(t)] = owners.get(id(t), 0) + 1
+    total = _elements(model)
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         if any(path == p or path.startswith(p + ".") for p in inside):
             continue
         blocks = _numbered(container)
-        if blocks is None or len(blocks) < _MIN_CANDIDATE:
-            continue
-        counts: dict[type, int] = {}
-        for b in blocks:
-            counts[type(b)] = counts.get(type(b), 0) + 1
-        if max(counts.values()) < _MIN_CANDIDATE:
+        if blocks is None or len(blocks) < _MIN_CANDIDATE or len({type(b) for b in blocks}) > 1:
             continue
         where = path or type(model).__name__
         stack, reason = _stack_of(path, blocks, owners)
         if stack is None:
-            reasons.append(f"{where}: {reason}")
+            if 2 * _elements(container) >= total:  # most of the model: where a cut would have paid
+                reasons.append(f"{where}: {reason}")
             continue
         stacks.append(stack)
         inside.extend(f"{path}.{i}" if path else str(i) for i in range(len(blocks)))
     return stacks, reasons
+
+
+def _elements(module: nn.Module) -> int:
+    from torch.nn.parameter import is_lazy
+
+    return sum(p.numel() for p in module.parameters() if not is_lazy(p))
 
 
 def _stack_of(path: str, blocks: list[nn.Module], owners: dict[int, int]) -> tuple[Stack | None, str]:
@@ -186,16 +193,18 @@ def _stack_of(path: str, blocks: list[nn.Module], owners: dict[int, int]) -> tup
         shared = any(owners.get(i, 0) > n for i, n in seen.items())
         sigs.append((type(block), tuple(rows), kept, shared))
     best: Stack | None = None
-    for period in range(1, len(blocks) // 3 + 1):
+    for period in range(1, len(blocks) // (KEPT_PERIODS + 1) + 1):
         start, end = _period_run(sigs, period)
         if any(sigs[i][3] for i in range(start, end)):
             continue
-        if end - start >= 3 * period and (best is None or end - start - 2 * period > best.inserted):
-            best = Stack(path, len(blocks), start, end - start, period)
+        stack = Stack(path, len(blocks), start, end - start, period)
+        if stack.inserted >= period and (best is None or stack.inserted > best.inserted):
+            best = stack
     if best is None:
         if any(s[3] for s in sigs):
             return None, "its blocks share parameters or buffers"
-        return None, "its blocks differ in shapes or settings (no period repeats three times)"
+        return None, (f"no run of its blocks repeats {KEPT_PERIODS + 1} times or more with equal shapes and "
+                      "settings")  # fmt: skip
     return best, ""
 
 

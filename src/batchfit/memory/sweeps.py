@@ -1,20 +1,23 @@
-"""Writing the full-depth trace from a trace whose stacks were cut to two periods (``memory/depth.py``).
+"""Writing the full-depth trace from a trace whose stacks were cut to four periods (``memory/depth.py``).
 
 The cut trace is read as fixed events (the model's other parts) and *sweeps*: wherever the step goes
 over a stack's blocks in order (a forward, a backward in reverse, one of the optimizer's loops), the
-events of each block's turn, one turn after another. The two turns of each phase of the period (block
-``b`` and ``b + period``) are aligned event by event; where they agree up to storage identity they are
-the phase's *template*, the turn every written block takes. The two may differ only at the ends of the
-stack: where one frees a storage of a neighbour that the other lacks (and frees a stand-in, or
-nothing), the template frees the neighbour's, and what one of them alone allocates (made once: a
-library's workspace) stays with that turn. Storages are named by ``(sweep, phase, position in the
-template)`` plus the block, so a turn frees "the storage of block ``n + d`` at that position".
+events of each block's turn, one turn after another. Of the four periods a stack keeps, the first
+and the last are the ends of the stack and may differ from the rest (the first block reads the
+embedding's output, and in a fine-tuned model may not need its input's gradient; the last block's
+output goes to the head; the first turn of a sweep makes what is made once, a library's workspace).
+The two periods between have a neighbour on each side, as every block of the full stack between its
+ends has: their turns must be equal, event for event, up to storage identity, phase by phase of the
+period, and the second period's turns are the *template* every block written between them takes.
+Storages are named by ``(sweep, phase, position in the template)`` plus the block (the end turns are
+aligned to the template too, where they agree with it), so a turn frees "the storage of block
+``n + d`` at that position".
 
 The written trace keeps every event of the cut trace in place, with the turns of the missing blocks
-written between the first period's and the second's in each sweep; a turn of the cut trace frees its
-neighbours by distance, which in the full stack can be a written block. Then it is checked: every
-storage born once and freed at most once, after its birth, and each written storage freed where the
-traced ones of its kind are.
+written between the second period's and the third's in each sweep; a kept turn frees its neighbours by
+distance, which in the full stack can be a written block. Then it is checked: every storage born once
+and freed at most once, after its birth, and each written storage freed where the traced ones of its
+kind are.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from .stacks import Stack
 from .tracer import MemoryTrace
 
 __all__ = ["Irregular", "write_full_depth"]
+
+Key = tuple[int, int, int]
+"""A storage's name within its block: ``(sweep, phase, position in the template)``."""
 
 
 class Irregular(Exception):
@@ -54,7 +60,7 @@ class _Sweep:
 
 
 class _Names:
-    """Module names of the cut model, read as (stack, block, rest) and written at full depth."""
+    """Module names of the cut model, read relative to a block and written at full depth."""
 
     def __init__(self, stacks: list[Stack], root: str) -> None:
         self.stacks = stacks
@@ -76,16 +82,21 @@ class _Names:
         self._parsed[name] = out
         return out
 
-    def relative(self, name: str, stack: int, block: int) -> Any:
-        """``name`` as seen from ``block`` of ``stack``: a kept block's module by its distance."""
+    def block(self, name: str) -> tuple[int, int, str] | None:
+        """``(stack, kept block, rest)`` of a module inside a kept block."""
         parsed = self.parse(name)
-        if parsed is None or parsed[0] != stack:
-            return name
+        if parsed is None:
+            return None
         s, index, rest = parsed
         b = index - self.stacks[s].start
-        if 0 <= b < self.stacks[s].kept:
-            return ("block", b - block, rest)
-        return name
+        return (s, b, rest) if 0 <= b < self.stacks[s].kept else None
+
+    def relative(self, name: str, stack: int, block: int) -> Any:
+        """``name`` as seen from ``block`` of ``stack``: a kept block's module by its distance."""
+        found = self.block(name)
+        if found is None or found[0] != stack:
+            return name
+        return ("block", found[1] - block, found[2])
 
     def written(self, name: str, stack: int | None, block: int, full: int) -> str:
         """``name`` in the full model, for a storage of ``block`` (full index ``full``) of ``stack``."""
@@ -125,194 +136,204 @@ class _Writer:
         for i, e in enumerate(trace.events):
             if e >= 0:
                 self.born[e] = i
-        self.turn: dict[int, tuple[int, int, int]] = {}  # event index -> (sweep, stack, block)
-        self.key: dict[int, tuple[int, int, int]] = {}  # sid -> (sweep, phase, template position)
-        self.by_key: dict[tuple[tuple[int, int, int], int], int] = {}  # (key, kept block) -> sid
+        self.turn: dict[int, tuple[int, int, int]] = {}  # event index -> (sweep, stack, kept block)
+        self.key: dict[int, Key] = {}  # sid -> its name within its block
+        self.by_key: dict[tuple[Key, int], int] = {}  # (key, kept block) -> sid
         self.grads: dict[int, list[tuple[int, int | None, bool, str]]] = {}  # event index -> hand-overs before it
         for entry in trace.grads:
             self.grads.setdefault(entry[0], []).append(entry)
 
     # -- reading the cut trace ------------------------------------------------------------------
     def segment(self) -> None:
-        """Find the sweeps: runs of one label, consecutive turns of blocks 0..2p-1 in order."""
-        events, lab = self.t.events, self.labels.events
+        """Find the sweeps: consecutive turns (runs of one label) of every kept block, in order."""
+        lab = self.labels.events
         runs: list[tuple[Label, int, int]] = []
-        i, n = 0, len(events)
+        i, n = 0, len(lab)
+        starts = {index for index, _, _ in self.t.phases}  # a turn never runs on into the next phase
         while i < n:
             label = lab[i]
             j = i + 1
-            while j < n and lab[j] == label:
+            while j < n and lab[j] == label and j not in starts:
                 j += 1
             if label is not None:
                 runs.append((label, i, j))
             i = j
         used = [False] * len(runs)
-        for r, (label, start, _) in enumerate(runs):
-            if used[r]:
-                continue
-            kept = self.stacks[label[0]].kept
-            for descending in (False, True):
-                first = kept - 1 if descending else 0
-                if label[1] != first:
-                    continue
-                chain = [r]
-                while len(chain) < kept:
-                    nxt = chain[-1] + 1
-                    want = (label[0], first + (-1 if descending else 1) * len(chain))
-                    if nxt >= len(runs) or runs[nxt][0] != want or runs[nxt][1] != runs[chain[-1]][2]:
-                        break
-                    chain.append(nxt)
-                if len(chain) == kept:
-                    spans = sorted(((runs[c][0][1], runs[c][1], runs[c][2]) for c in chain))
-                    sweep = _Sweep(label[0], [(a, b) for _, a, b in spans], descending)
-                    for c in chain:
-                        used[c] = True
-                    s_index = len(self.sweeps)
-                    self.sweeps.append(sweep)
-                    for block, (a, b) in enumerate(sweep.runs):
-                        for x in range(a, b):
-                            self.turn[x] = (s_index, label[0], block)
-                    break
+        for r, (label, _, _) in enumerate(runs):
+            if not used[r]:
+                self._sweep_from(runs, r, label, used)
+        for r, (label, _, _) in enumerate(runs):
+            if not used[r] and r > 0 and used[r - 1]:
+                self._sweep_back(runs, r, label, used)
         for r, (label, start, end) in enumerate(runs):
             if not used[r] and any(self.t.events[x] >= 0 for x in range(start, end)):
                 raise Irregular(f"block {label[1]} of a stack allocates outside its turn in a sweep over the blocks")
         for index, _, _ in self.t.phases:
-            for sweep in self.sweeps:
-                if sweep.start < index < sweep.end:
-                    raise Irregular("a phase of the step starts in the middle of a sweep over the blocks")
+            if any(sweep.start < index < sweep.end for sweep in self.sweeps):
+                raise Irregular("a phase of the step starts in the middle of a sweep over the blocks")
+
+    def _sweep_back(self, runs: list[tuple[Label, int, int]], r: int, label: Label, used: list[bool]) -> None:
+        """A sweep that turns back where the one before it ended (a list of ``_foreach`` outputs made in
+        order and freed in reverse): the two sweeps' turns of the end block are one run of events. It is
+        split where each of the two is as long as its sweep's turn of the block next to it."""
+        before = next((sw for sw in self.sweeps if sw.end == runs[r][1]), None)
+        if before is None or before.stack != label[0]:
+            return
+        last = 0 if before.descending else len(before.runs) - 1
+        if label[1] != last + (1 if before.descending else -1):
+            return
+        chain = self._chain(runs, r, label, not before.descending, len(before.runs) - 1)
+        if chain is None:
+            return
+        shared = before.runs[last]
+        neighbour = before.runs[last + (1 if before.descending else -1)]
+        mine = runs[chain[0]][1:]
+        split = shared[0] + neighbour[1] - neighbour[0]
+        if shared[1] - split != mine[1] - mine[0]:
+            return  # the two turns of the end block cannot be told apart: left as they are (irregular)
+        before.runs[last] = (shared[0], split)
+        spans = [(last, split, shared[1])] + [(runs[c][0][1], runs[c][1], runs[c][2]) for c in chain]
+        self._add_sweep(label[0], spans, not before.descending)
+        for c in chain:
+            used[c] = True
+
+    def _chain(self, runs: list[tuple[Label, int, int]], r: int, label: Label, descending: bool,
+               count: int) -> list[int] | None:  # fmt: skip
+        """``count`` adjacent runs from ``r`` whose blocks go down (or up) by one from ``label``'s."""
+        chain = [r]
+        while len(chain) < count:
+            nxt = chain[-1] + 1
+            want = (label[0], label[1] + (-1 if descending else 1) * len(chain))
+            if nxt >= len(runs) or runs[nxt][0] != want or runs[nxt][1] != runs[chain[-1]][2]:
+                return None
+            chain.append(nxt)
+        return chain
+
+    def _add_sweep(self, stack: int, spans: list[tuple[int, int, int]], descending: bool) -> None:
+        sweep = _Sweep(stack, [(a, b) for _, a, b in sorted(spans)], descending)
+        for block, (a, b) in enumerate(sweep.runs):
+            for x in range(a, b):
+                self.turn[x] = (len(self.sweeps), stack, block)
+        self.sweeps.append(sweep)
+
+    def _sweep_from(self, runs: list[tuple[Label, int, int]], r: int, label: Label, used: list[bool]) -> None:
+        kept = self.stacks[label[0]].kept
+        for descending in (False, True):
+            if label[1] != (kept - 1 if descending else 0):
+                continue
+            chain = self._chain(runs, r, label, descending, kept)
+            if chain is not None:
+                self._add_sweep(label[0], [(runs[c][0][1], runs[c][1], runs[c][2]) for c in chain], descending)
+                for c in chain:
+                    used[c] = True
+                return
 
     def _alloc_sig(self, sid: int, stack: int, block: int) -> tuple:
         t = self.t
-        return (t.nbytes[sid], t.role.get(sid), t.op.get(sid), self.names.relative(t.module.get(sid, ""), stack, block),
-                t.rows.get(sid))  # fmt: skip
+        return (t.nbytes[sid], t.role.get(sid), t.op.get(sid), t.rows.get(sid),
+                self.names.relative(t.module.get(sid, ""), stack, block))  # fmt: skip
 
     def _coarse(self, index: int, stack: int, block: int) -> tuple:
-        """What alignment compares of an event: an allocation's size, role and op, a free's storage by
-        the turn that made it (before templates name storages), and the hand-overs just before it;
-        ``_check_pair`` then compares what alignment paired in full."""
+        """What alignment compares of an event: an allocation's storage, a free's storage by the turn
+        that made it (before storages have names), and the hand-overs just before it; ``_template``
+        then compares what alignment paired in full."""
         e = self.t.events[index]
-        if e >= 0:
-            sig: tuple = ("a", self._alloc_sig(e, stack, block)[:3])
-        else:
-            sig = ("f", self._coarse_ref(~e, stack, block))
+        sig: tuple = ("a", self._alloc_sig(e, stack, block)) if e >= 0 else ("f", self._coarse_ref(~e, stack, block))
         hand = self.grads.get(index)
         if hand:
-            sig += tuple((self._coarse_ref(sid, stack, block) if sid is not None else None, copied)
-                         for _, sid, copied, _ in hand)  # fmt: skip
+            sig += tuple((self._coarse_ref(sid, stack, block) if sid is not None else None, copied,
+                          self.names.relative(made, stack, block)) for _, sid, copied, made in hand)  # fmt: skip
         return sig
 
     def _coarse_ref(self, sid: int, stack: int, block: int) -> tuple:
         turn = self.turn.get(self.born.get(sid, -1))
         if turn is None or turn[1] != stack:
             return ("fixed",)
-        return ("turn", turn[0], turn[2] - block, self._alloc_sig(sid, stack, turn[2])[:3])
+        return ("turn", turn[0], turn[2] - block, self._alloc_sig(sid, stack, turn[2]))
 
     def align(self) -> None:
-        """Align the two turns of each phase of each sweep into its template; name the storages."""
-        aligned = []
+        """Name the storages of each sweep's turns, and take each phase's template from its two middle
+        turns, which must agree event for event."""
+        middles = []
         for s_index, sweep in enumerate(self.sweeps):
             period = self.stacks[sweep.stack].period
             for phase in range(period):
-                pairs = self._align_turns(sweep, phase, phase + period)
-                aligned.append((sweep, phase, pairs))
+                first, second, third, last = (phase + k * period for k in range(4))
+                pairs = self._pairs(sweep, second, third)
+                middles.append((sweep, phase, pairs))
+                position_of: dict[int, int] = {}
                 for position, (a, b) in enumerate(pairs):
-                    ea = self.t.events[a] if a is not None else -1
-                    if a is not None and b is not None and ea >= 0:
-                        eb = self.t.events[b]
-                        key = (s_index, phase, position)
-                        self.key[ea], self.key[eb] = key, key
-                        self.by_key[(key, phase)], self.by_key[(key, phase + period)] = ea, eb
-        for sweep, phase, pairs in aligned:
-            period = self.stacks[sweep.stack].period
-            template = [self._check_pair(sweep, phase, period, a, b) for a, b in pairs]
-            sweep.templates.append([x for x in template if x is not None])
+                    position_of[a] = position_of[b] = position
+                    if self.t.events[a] >= 0:
+                        self._name(self.t.events[a], (s_index, phase, position), second)
+                        self._name(self.t.events[b], (s_index, phase, position), third)
+                for end, middle in ((first, second), (last, third)):  # the ends, where they agree
+                    for a, b in self._pairs(sweep, end, middle, exact=False):
+                        if self.t.events[a] >= 0 and b in position_of:
+                            self._name(self.t.events[a], (s_index, phase, position_of[b]), end)
+        for sweep, phase, pairs in middles:
+            sweep.templates.append([self._template(sweep, phase, a, b) for a, b in pairs])
 
-    def _align_turns(self, sweep: _Sweep, first: int, second: int) -> list[tuple[int | None, int | None]]:
+    def _name(self, sid: int, key: Key, block: int) -> None:
+        self.key[sid] = key
+        self.by_key[(key, block)] = sid
+
+    def _pairs(self, sweep: _Sweep, first: int, second: int, exact: bool = True) -> list[tuple[int, int]]:
+        """The events of two turns aligned (only those that agree, unless ``exact``: then all must)."""
         (a0, a1), (b0, b1) = sweep.runs[first], sweep.runs[second]
         sig_a = [self._coarse(i, sweep.stack, first) for i in range(a0, a1)]
         sig_b = [self._coarse(i, sweep.stack, second) for i in range(b0, b1)]
-        if sig_a == sig_b:
+        if len(sig_a) == len(sig_b) and (exact or sig_a == sig_b):
             return [(a0 + x, b0 + x) for x in range(a1 - a0)]
-        pairs: list[tuple[int | None, int | None]] = []
+        if exact:
+            raise Irregular("two blocks between the ends of a stack do not repeat (their turns differ in length)")
+        pairs: list[tuple[int, int]] = []
         matcher = difflib.SequenceMatcher(None, sig_a, sig_b, autojunk=False)  # type: ignore[arg-type]
-        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-            if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
-                pairs.extend((a0 + i1 + x, b0 + j1 + x) for x in range(i2 - i1))
-            else:
-                pairs.extend((a0 + x, None) for x in range(i1, i2))
-                pairs.extend((None, b0 + x) for x in range(j1, j2))
+        for i, j, size in matcher.get_matching_blocks():
+            pairs.extend((a0 + i + x, b0 + j + x) for x in range(size))
         return pairs
 
-    def _ref(self, sid: int, stack: int, block: int) -> tuple:
-        """A storage as seen from ``block``: ``("rel", distance, key)``, or ``("fixed", sid)``."""
-        key = self.key.get(sid)
-        turn = self.turn.get(self.born.get(sid, -1))
-        if key is None or turn is None or turn[1] != stack:
-            return ("fixed", sid)
-        return ("rel", turn[2] - block, key)
-
-    def _event_refs(self, index: int, stack: int, block: int) -> list[tuple]:
-        """The storages an event frees or hands over, as seen from its block (the free first)."""
+    def _refs(self, index: int, stack: int, block: int) -> list[tuple]:
+        """The storages an event frees or hands over, as seen from its block: ``("rel", distance, key)``,
+        ``("end", sid)`` for one only an end turn of this stack has, ``("fixed", sid)`` otherwise."""
         e = self.t.events[index]
         sids = ([] if e >= 0 else [~e]) + [sid for _, sid, _, _ in self.grads.get(index, ())]
-        refs = []
+        refs: list[tuple] = []
         for sid in sids:
-            if sid is None:
-                refs.append(("none",))
-                continue
-            ref = self._ref(sid, stack, block)
-            born = self.turn.get(self.born.get(sid, -1))
-            if ref[0] == "fixed" and born is not None and born[1] == stack and born != self.turn.get(index):
-                raise Irregular("a storage one block alone makes is freed by another block")
-            refs.append(ref)
+            turn = self.turn.get(self.born.get(sid, -1)) if sid is not None else None
+            if turn is None or turn[1] != stack:
+                refs.append(("fixed", sid))
+            elif sid in self.key:
+                refs.append(("rel", turn[2] - block, self.key[sid]))
+            else:
+                refs.append(("end", sid))
         return refs
 
-    def _check_pair(
-        self, sweep: _Sweep, phase: int, period: int, a: int | None, b: int | None
-    ) -> tuple[int, int] | None:
-        """The event the template takes of this aligned pair (``(index, kept block)``; None: it takes
-        none); raises where the turns disagree."""
-        kept = 2 * period
-        blocks = (phase, phase + period)
-        present = [(x, blk) for x, blk in zip((a, b), blocks) if x is not None]
-        events = [self.t.events[x] for x, _ in present]
-        refs = [self._event_refs(x, sweep.stack, blk) for x, blk in present]
-        if len(present) == 1:
-            (x, blk), other = present[0], blocks[1] if present[0][1] == blocks[0] else blocks[0]
-            if events[0] >= 0:
-                if self.grads.get(x):
-                    raise Irregular("one block alone hands over a gradient")
-                return None  # made once, by this turn alone: it stays with the turn
-            if all(r[0] == "fixed" for r in refs[0]):
-                return None  # a stand-in freed at the end of the stack
-            if any(r[0] != "rel" or 0 <= other + r[1] < kept for r in refs[0]):
-                raise Irregular("one block of a phase frees a storage its counterpart keeps")
-            return x, blk
-        if (events[0] >= 0) != (events[1] >= 0):
-            raise Irregular("the turns of two blocks of one phase differ (an allocation against a free)")
-        hands = [self.grads.get(x, ()) for x, _ in present]
-        if len(refs[0]) != len(refs[1]) or [h[2] for h in hands[0]] != [h[2] for h in hands[1]]:
-            raise Irregular("the turns of two blocks of one phase hand over different gradients")
-        # Each difference must be an end of the stack: one side refers to a neighbour the other lacks.
-        pairs: list[tuple[Any, Any]] = list(zip(*refs))
-        pairs += [(self.names.relative(ma, sweep.stack, blocks[0]), self.names.relative(mb, sweep.stack, blocks[1]))
-                  for (_, _, _, ma), (_, _, _, mb) in zip(*hands)]  # fmt: skip
-        if events[0] >= 0:
-            sa, sb = self._alloc_sig(events[0], sweep.stack, blocks[0]), self._alloc_sig(events[1], sweep.stack, blocks[1])
-            if sa[:3] + sa[4:] != sb[:3] + sb[4:]:
-                raise Irregular("the turns of two blocks of one phase allocate differently")
-            pairs.append((sa[3], sb[3]))
-        interior = set()
-        for ra, rb in pairs:
-            if ra == rb and not (isinstance(ra, tuple) and ra[0] == "fixed"):
+    def _template(self, sweep: _Sweep, phase: int, a: int, b: int) -> tuple[int, int]:
+        """The template's event for a pair of the middle turns (``(index, kept block)``); raises where
+        the two differ beyond what one of them reads of an end turn's own storages."""
+        period = self.stacks[sweep.stack].period
+        blocks = (phase + period, phase + 2 * period)
+        ea, eb = self.t.events[a], self.t.events[b]
+        if (ea >= 0) != (eb >= 0) or (
+            ea >= 0 and self._alloc_sig(ea, sweep.stack, blocks[0]) != self._alloc_sig(eb, sweep.stack, blocks[1])
+        ):
+            raise Irregular("two blocks between the ends of a stack do not repeat (they allocate differently)")
+        hands = (self.grads.get(a, ()), self.grads.get(b, ()))
+        if [(h[2], self.names.relative(h[3], sweep.stack, blocks[0])) for h in hands[0]] != [
+            (h[2], self.names.relative(h[3], sweep.stack, blocks[1])) for h in hands[1]
+        ]:
+            raise Irregular("two blocks between the ends of a stack hand over different gradients")
+        choice = None
+        for ra, rb in zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1])):
+            if ra == rb and (ra[0] == "rel" or ra == ("fixed", None)):
                 continue
-            side = _end_of_stack(ra, rb, blocks, kept)
-            if side is None:
-                raise Irregular("the turns of two blocks of one phase free or name different storages")
-            interior.add(side)
-        if len(interior) > 1:
-            raise Irregular("neither of two blocks of one phase frees as a block between two others would")
-        return present[interior.pop() if interior else 0]
+            # One of them frees a storage only an end turn has; the other, its neighbour's by name.
+            side = 0 if ra[0] == "rel" and rb[0] == "end" else 1 if rb[0] == "rel" and ra[0] == "end" else None
+            if side is None or choice not in (None, side):
+                raise Irregular("two blocks between the ends of a stack do not repeat (they free different storages)")
+            choice = side
+        return (a, blocks[0]) if choice in (None, 0) else (b, blocks[1])
 
     # -- writing the full-depth trace ------------------------------------------------------------
     def write(self) -> MemoryTrace:
@@ -321,8 +342,7 @@ class _Writer:
                           module={}, notes=[], flops={})  # fmt: skip
         self.out = out
         self.fresh = max(t.nbytes, default=-1) + 1
-        self.written: dict[tuple[tuple[int, int, int], int], int] = {}  # (key, full block) -> written sid
-        self.full_of: dict[int, int] = {}  # kept sid born in a turn -> full index of its block
+        self.written: dict[tuple[Key, int], int] = {}  # (key, full block) -> written sid
         for sid, name in t.module.items():
             turn = self.turn.get(self.born.get(sid, -1))
             if turn is None:
@@ -346,13 +366,12 @@ class _Writer:
                         new_index[x] = len(out.events)
                         self._emit(x, sweep.stack, source, full)
                 else:
-                    self._emit_template(sweep, source[1], full)
+                    for x, block in sweep.templates[source[1]]:
+                        self._emit(x, sweep.stack, block, full, written=True)
             i = sweep.end
         new_index[n] = len(out.events)
-        for index, entry in self.grads.items():
-            if index == n:
-                for _, sid, copied, made in entry:
-                    out.grads.append((len(out.events), sid, copied, self.names.written(made, None, 0, 0)))
+        for _, sid, copied, made in self.grads.get(n, ()):
+            out.grads.append((len(out.events), sid, copied, self.names.written(made, None, 0, 0)))
         out.phases = [(new_index[index], phase, step) for index, phase, step in t.phases]
         out.flops = self._flops()
         out.notes = _notes(t.notes, self.names, self.stacks)
@@ -362,86 +381,89 @@ class _Writer:
     def _full(self, stack: int, block: int) -> int:
         """Full index, within the stack's repeating blocks, of kept block ``block``."""
         st = self.stacks[stack]
-        return block if block < st.period else block + st.inserted
+        return block if block < 2 * st.period else block + st.inserted
 
     def _turns(self, sweep: _Sweep) -> Iterator[tuple[int, Any]]:
         """``(full index, kept block or ("template", phase))`` of each turn of the full sweep, in order."""
         st = self.stacks[sweep.stack]
         order = range(st.length - 1, -1, -1) if sweep.descending else range(st.length)
         for full in order:
-            if full < st.period:
+            if full < 2 * st.period:
                 yield full, full
-            elif full >= st.period + st.inserted:
+            elif full >= 2 * st.period + st.inserted:
                 yield full, full - st.inserted
             else:
                 yield full, ("template", full % st.period)
 
     def _target(self, sid: int, stack: int | None, block: int, full: int) -> int:
-        """The storage ``sid`` (freed or handed over by ``block``'s turn, full index ``full``) stands for."""
+        """The storage ``sid`` (freed or handed over by ``block``'s turn, full index ``full``) stands for:
+        a block's storage by its distance, anything else as it is."""
         if stack is None:
             return sid
-        ref = self._ref(sid, stack, block)
-        if ref[0] == "fixed":
+        turn = self.turn.get(self.born.get(sid, -1))
+        key = self.key.get(sid)
+        if turn is None or turn[1] != stack or key is None:
             return sid
-        return self._storage(ref[2], full + ref[1], stack)
+        return self._storage(key, full + turn[2] - block, stack)
 
-    def _storage(self, key: tuple[int, int, int], full: int, stack: int) -> int:
+    def _storage(self, key: Key, full: int, stack: int) -> int:
         st = self.stacks[stack]
-        if not 0 <= full < st.length or full % st.period != key[1]:
+        if not 0 <= full < st.length:
             raise Irregular("a block frees a storage of a block the stack does not have")
-        if full < st.period:
-            return self.by_key[(key, full)]
-        if full >= st.period + st.inserted:
-            return self.by_key[(key, full - st.inserted)]
-        sid = self.written.get((key, full))
+        if full < 2 * st.period or full >= 2 * st.period + st.inserted:
+            sid = self.by_key.get((key, full if full < 2 * st.period else full - st.inserted))
+        else:
+            sid = self.written.get((key, full))
         if sid is None:
-            raise Irregular("a written block frees a storage before it is made")
+            raise Irregular("a block frees a storage its neighbour does not make")
         return sid
 
-    def _emit(self, index: int, stack: int | None, block: int, full: int) -> None:
-        out = self.out
+    def _emit(self, index: int, stack: int | None, block: int, full: int, written: bool = False) -> None:
+        """Event ``index`` of the cut trace as block ``full``'s (a template's event when ``written``)."""
+        out, t = self.out, self.t
         for _, sid, copied, made in self.grads.get(index, ()):
             target = self._target(sid, stack, block, full) if sid is not None else None
-            out.grads.append((len(out.events), target, copied, self.names.written(made, stack, block, full)))
-        e = self.t.events[index]
-        out.events.append(e if e >= 0 else ~self._target(~e, stack, block, full))
-
-    def _emit_template(self, sweep: _Sweep, phase: int, full: int) -> None:
-        out, t = self.out, self.t
-        for x, block in sweep.templates[phase]:
-            e = t.events[x]
-            for _, sid, copied, made in self.grads.get(x, ()):
-                target = self._target(sid, sweep.stack, block, full) if sid is not None else None
-                out.grads.append((len(out.events), target, copied, self.names.written(made, sweep.stack, block, full)))
-            if e < 0:
-                out.events.append(~self._target(~e, sweep.stack, block, full))
-                continue
+            out.grads.append((len(out.events), target, copied, self._made_in(made, sid, stack, block, full)))
+        e = t.events[index]
+        if e < 0:
+            out.events.append(~self._target(~e, stack, block, full))
+        elif not written:
+            out.events.append(e)
+        else:
+            assert stack is not None
             sid = self.fresh
             self.fresh += 1
             self.written[(self.key[e], full)] = sid
             out.events.append(sid)
             out.nbytes[sid] = t.nbytes[e]
-            out.module[sid] = self.names.written(t.module.get(e, ""), sweep.stack, block, full)
+            out.module[sid] = self.names.written(t.module.get(e, ""), stack, block, full)
             for table in (out.role, out.op, out.rows):
                 if e in table:
                     table[sid] = table[e]  # type: ignore[index]
 
+    def _made_in(self, made: str, sid: int | None, stack: int | None, block: int, full: int) -> str:
+        """The module that made a handed-over gradient, named as its storage is: by distance from the
+        turn handing it over when the storage is a neighbour's, else as the turn that made it is."""
+        turn = self.turn.get(self.born.get(sid, -1)) if sid is not None else None
+        if turn is not None and (turn[1] != stack or sid not in self.key):
+            return self.names.written(made, turn[1], turn[2], self._full(turn[1], turn[2]))
+        return self.names.written(made, stack, block, full)
+
     def _flops(self) -> dict[tuple[str, int], int]:
         totals: dict[tuple[str, int], int] = {}
         by_label = self.labels.flops
-        for (phase, step, label), n in by_label.items():
+        for (phase, step, _), n in by_label.items():
             totals[(phase, step)] = totals.get((phase, step), 0) + n
+        if totals != {k: v for k, v in self.t.flops.items() if v}:
+            raise Irregular("the trace's floating-point work is not all labelled")
         for (phase, step, label), n in by_label.items():
             if label is None:
                 continue
             st = self.stacks[label[0]]
-            if label[1] < st.period:
-                twin = by_label.get((phase, step, (label[0], label[1] + st.period)), 0)
-                if twin != n:
-                    raise Irregular("two blocks of one phase do different floating-point work")
+            if st.period <= label[1] < 2 * st.period:  # the template's period
+                if by_label.get((phase, step, (label[0], label[1] + st.period)), 0) != n:
+                    raise Irregular("two blocks between the ends of a stack do different floating-point work")
                 totals[(phase, step)] += n * (st.inserted // st.period)
-            elif (phase, step, (label[0], label[1] - st.period)) not in by_label:
-                raise Irregular("two blocks of one phase do different floating-point work")
         return {k: v for k, v in totals.items() if v}
 
     def _check(self) -> None:
@@ -461,64 +483,49 @@ class _Writer:
                     raise Irregular("the written trace frees a storage that is not alive")
                 alive.discard(~e)
                 freed.add(~e)
-        for (key, full), sid in self.written.items():
-            stack = self.sweeps[key[0]].stack
-            period = self.stacks[stack].period
-            kinds = {self.by_key[(key, key[1])] in freed, self.by_key[(key, key[1] + period)] in freed}
+        for (key, _), sid in self.written.items():
+            period = self.stacks[self.sweeps[key[0]].stack].period
+            kinds = {self.by_key[(key, key[1] + period)] in freed, self.by_key[(key, key[1] + 2 * period)] in freed}
             if len(kinds) == 1 and (sid in freed) not in kinds:
                 raise Irregular("a written block's storage lives differently from the traced blocks' own")
 
 
-def _end_of_stack(ra: Any, rb: Any, blocks: tuple[int, int], kept: int) -> int | None:
-    """Which side (0, 1) refers to a neighbour block the other side's block lacks, where the other
-    refers to something else in its place (None: they differ otherwise)."""
-    for side, (mine, theirs) in enumerate(((ra, rb), (rb, ra))):
-        if isinstance(mine, tuple) and mine[0] in ("rel", "block") and not _is_relative(theirs):
-            if not 0 <= blocks[1 - side] + mine[1] < kept:
-                return side
-    return None
-
-
-def _is_relative(x: Any) -> bool:
-    return isinstance(x, tuple) and x[0] in ("rel", "block")
-
-
 def _notes(notes: list[str], names: _Names, stacks: list[Stack]) -> list[str]:
-    """The notes of the full-depth step: a note made in a kept block is made in every block."""
+    """The notes of the full-depth step: a note made in a block between the ends of a stack is made in
+    every such block (notes begin with the module they were made in)."""
     out: list[str] = []
-    labelled: list[tuple[tuple[int, int] | None, str, str]] = []
-    for note in notes:
-        module, sep, rest = note.partition(": ")
-        parsed = names.parse(module) if sep else None
-        label = None
-        if parsed is not None:
-            st = stacks[parsed[0]]
-            block = parsed[1] - st.start
-            if 0 <= block < st.kept:
-                label = (parsed[0], block)
-        labelled.append((label, module, sep + rest))
     i = 0
-    while i < len(labelled):
-        label, module, rest = labelled[i]
-        if label is None:
-            out.append(names.written(module, None, 0, 0) + rest if rest.startswith(": ") else module)
+    while i < len(notes):
+        module, sep, rest = notes[i].partition(": ")
+        found = names.block(module) if sep else None
+        if found is None:
+            out.append(names.written(module, None, 0, 0) + sep + rest if sep else notes[i])
             i += 1
             continue
-        stack = stacks[label[0]]
+        stack = stacks[found[0]]
+        period = stack.period
+        group: dict[int, list[str]] = {}
         j = i
-        group: dict[int, list[tuple[str, str]]] = {}
-        while j < len(labelled) and labelled[j][0] is not None and labelled[j][0][0] == label[0]:  # type: ignore[index]
-            group.setdefault(labelled[j][0][1], []).append((labelled[j][1], labelled[j][2]))  # type: ignore[index]
+        while j < len(notes):
+            m, s2, r = notes[j].partition(": ")
+            f = names.block(m) if s2 else None
+            if f is None or f[0] != found[0]:
+                break
+            group.setdefault(f[1], []).append(notes[j])
             j += 1
-        blocks = [labelled[x][0][1] for x in range(i, j)]  # type: ignore[index]
-        ordered = blocks == sorted(blocks) and set(blocks) == set(range(stack.kept))
-        texts = {b: [(names.relative(m, label[0], b), r) for m, r in group[b]] for b in group}
-        if not ordered or any(texts.get(b) != texts.get(b + stack.period) for b in range(stack.period)):
-            raise Irregular("the notes of two blocks of one phase differ")
+
+        def seen(b: int) -> list[tuple[Any, str]]:
+            return [(names.relative(m, found[0], b), r) for m, _, r in (x.partition(": ") for x in group.get(b, []))]
+
+        if any(seen(b) != seen(b + period) for b in range(period, 2 * period)):
+            raise Irregular("two blocks between the ends of a stack make different notes")
         for full in range(stack.length):
-            kept = full if full < stack.period else full - stack.inserted
-            source = kept if full < stack.period or full >= stack.period + stack.inserted else full % stack.period
-            for m, r in group[source]:
-                out.append(names.written(m, label[0], source, full) + r)
+            if full < 2 * period or full >= 2 * period + stack.inserted:
+                source = full if full < 2 * period else full - stack.inserted
+            else:
+                source = period + full % period
+            for note in group.get(source, []):
+                m, _, r = note.partition(": ")
+                out.append(names.written(m, found[0], source, full) + ": " + r)
         i = j
     return out
