@@ -5,7 +5,9 @@ An event gets the label ``(stack, block)`` of the block it belongs to, or None w
 model's other parts (the embedding, the head, the loss), from what the ``Tracer`` tells a
 ``BlockRecorder`` as the step runs:
 
-* in a forward (a checkpointed block's recomputation too): the block of the innermost module running;
+* in a forward (a checkpointed block's recomputation too): the block of the innermost module running
+  that is one of the model's (a module kept outside the model's tree, such as a shared activation,
+  runs as part of its caller);
 * in backward: the label of the forward that made the node running, known by the node's sequence
   number (autograd numbers nodes as ops make them; the recorder notes the number at each change of
   label in the forward), or, for a node no forward made (a parameter's ``AccumulateGrad``), the label
@@ -63,11 +65,12 @@ class BlockRecorder:
     """Told by the ``Tracer`` where each event happens and what each op outside the blocks reads.
 
     Args:
-        module_labels: the label of every module (as the tracer names it) inside a kept block.
+        module_labels: the label of every module of the model (as the tracer names it): a kept block's
+            for those inside one, None for the others.
         tensor_labels: the label of every model tensor (by ``id``) inside a kept block.
     """
 
-    def __init__(self, module_labels: dict[str, Label], tensor_labels: dict[int, Label]) -> None:
+    def __init__(self, module_labels: dict[str, Label | None], tensor_labels: dict[int, Label]) -> None:
         self._module_labels = module_labels
         self._tensor_labels = tensor_labels
         self._where: list[Any] = []  # per event: a label, None (another module) or _NO_MODULE
@@ -82,9 +85,12 @@ class BlockRecorder:
 
     def _here(self, tracer: Any) -> Any:
         """The label of what runs now: a block's, None (the other parts) or ``_NO_MODULE``."""
-        forward = tracer.forward_module()
-        if forward is not None:
-            return self._module_labels.get(forward)
+        forward = tracer.forward_modules()
+        if forward:
+            for name in reversed(forward):
+                if name in self._module_labels:
+                    return self._module_labels[name]
+            return None
         node = torch._C._current_autograd_node()
         if node is None:
             return _NO_MODULE
@@ -105,7 +111,7 @@ class BlockRecorder:
     def after_op(self, tracer: Any, func: Any, args: tuple, outputs: list, first_new: int, flops: int) -> None:
         """What an op read, for the storages it made outside the blocks."""
         here = self._here(tracer)
-        if tracer.forward_module() is not None or torch._C._current_autograd_node() is None:
+        if tracer.forward_modules() or torch._C._current_autograd_node() is None:
             # Autograd makes an op's node before it runs the op: this op's nodes are numbered from
             # where the last op's left off.
             tag = None if here is _NO_MODULE else here
@@ -221,12 +227,14 @@ def _smooth_loop_frees(trace: MemoryTrace, events: list[Label | None], where: li
         i = j
 
 
-def block_labels(model: nn.Module, root: str, prefixes: dict[str, Label]) -> tuple[dict[str, Label], dict[int, Label]]:
-    """Labels of the modules (as the tracer names them: ``root.path``) and tensors inside the blocks
-    whose paths are ``prefixes``' keys."""
+def block_labels(
+    model: nn.Module, root: str, prefixes: dict[str, Label]
+) -> tuple[dict[str, Label | None], dict[int, Label]]:
+    """Labels of the model's modules (as the tracer names them: ``root.path``; None outside the blocks)
+    and of the tensors inside the blocks whose paths are ``prefixes``' keys."""
     from .stacks import _tensors
 
-    modules: dict[str, Label] = {}
+    modules: dict[str, Label | None] = {f"{root}.{name}" if name else root: None for name, _ in model.named_modules()}
     tensors: dict[int, Label] = {}
     for prefix, label in prefixes.items():
         block = model.get_submodule(prefix)

@@ -119,10 +119,41 @@ def write_full_depth(trace: MemoryTrace, labels: Labels, stacks: list[Stack], ro
     Raises:
         Irregular: the cut trace does not repeat as assumed; trace the step at full depth instead.
     """
+    trace, labels = _frees_in_order(trace, labels)
     writer = _Writer(trace, labels, stacks, root)
     writer.segment()
     writer.align()
     return writer.write()
+
+
+def _frees_in_order(trace: MemoryTrace, labels: Labels) -> tuple[MemoryTrace, Labels]:
+    """``trace`` with each run of consecutive frees in one order: the other parts' first, then by block,
+    each block's in the order its storages were born.
+
+    The storages a run frees are freed together as far as the allocator is concerned (its state after
+    them does not depend on their order: freed blocks merge with free neighbours either way), and
+    Python frees some in an order of its own (autocast's cache of weight copies, a dict, at the end of
+    a forward). A run is cut where a phase starts or a gradient is handed over.
+    """
+    import dataclasses
+
+    events, lab = list(trace.events), list(labels.events)
+    born = {e: i for i, e in enumerate(events) if e >= 0}
+    cuts = {index for index, _, _ in trace.phases} | {entry[0] for entry in trace.grads}
+    i, n = 0, len(events)
+    while i < n:
+        if events[i] >= 0:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and events[j] < 0 and j not in cuts:
+            j += 1
+        if j - i > 1:
+            order = sorted(range(i, j), key=lambda x: (lab[x] is not None, lab[x] or (0, 0), born.get(~events[x], -1)))
+            events[i:j] = [events[x] for x in order]
+            lab[i:j] = [lab[x] for x in order]
+        i = j
+    return dataclasses.replace(trace, events=events), dataclasses.replace(labels, events=lab)
 
 
 class _Writer:
@@ -325,11 +356,16 @@ class _Writer:
         ]:
             raise Irregular("two blocks between the ends of a stack hand over different gradients")
         choice = None
-        for ra, rb in zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1])):
+        period, refs = self.stacks[sweep.stack].period, []
+        for side, (x, block) in enumerate(((a, blocks[0]), (b, blocks[1]))):
+            refs.append([(r, r[0] == "rel" and period <= block + r[1] < 3 * period) for r in self._refs(x, sweep.stack, block)])
+        for (ra, a_middle), (rb, b_middle) in zip(*refs):
             if ra == rb and (ra[0] == "rel" or ra == ("fixed", None)):
                 continue
-            # One of them frees a storage only an end turn has; the other, its neighbour's by name.
-            side = 0 if ra[0] == "rel" and rb[0] == "end" else 1 if rb[0] == "rel" and ra[0] == "end" else None
+            # One of them frees (or hands over) a storage of an end turn, the other its neighbour's
+            # between the ends: what a block between the ends does is the latter.
+            side = 0 if a_middle and not b_middle and rb[0] != "fixed" else (
+                1 if b_middle and not a_middle and ra[0] != "fixed" else None)  # fmt: skip
             if side is None or choice not in (None, side):
                 raise Irregular("two blocks between the ends of a stack do not repeat (they free different storages)")
             choice = side

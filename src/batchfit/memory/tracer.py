@@ -193,9 +193,9 @@ class Tracer:
         if self._recorder is not None:
             self._recorder.event(self)
 
-    def forward_module(self) -> str | None:
-        """The module whose forward is running (innermost; a checkpointed block's recomputation too)."""
-        return self._module_stack[-1] if self._module_stack else None
+    def forward_modules(self) -> list[str]:
+        """The modules whose forward is running, outermost first (a checkpointed block's recomputation too)."""
+        return self._module_stack
 
     def _after_op(self, func: Any, args: tuple, kwargs: dict, outputs: list, first_new: int) -> None:
         flops = op_flops(func, args, kwargs, self._tracker.current_out)
