@@ -18,8 +18,8 @@ model's other parts (the embedding, the head, the loss), from what the ``Tracer`
   it was computed from (index by index for the multi-tensor ``_foreach`` ops), resolved once the trace
   is over, when the optimizer's step counters are known to be states. A free belongs to the freed
   storage's block, except that a loop's variable dropped on the next turn (the per-parameter optimizer
-  loop rebinds ``denom``) belongs to the turn that drops it: a group of consecutive frees of one block's
-  storages between two events of one label takes that label.
+  loop rebinds ``denom``) belongs to the turn that drops it: a group of consecutive frees between two
+  events of one label, of storages of that label and at most one other, takes that label.
 
 An op outside the blocks whose output is computed from several blocks of one stack (a loss over every
 layer's router logits, a norm of all gradients stacked) has a size that depends on the depth: the
@@ -82,6 +82,7 @@ class BlockRecorder:
         self._numbers: list[int] = []  # the sequence number at each change of label in a forward
         self._numbered: list[Label | None] = []  # ... and the label from there on
         self._next_number = 0
+        self._during_op: list[int] = []  # storages a kernel made inside the op running now
 
     def _here(self, tracer: Any) -> Any:
         """The label of what runs now: a block's, None (the other parts) or ``_NO_MODULE``."""
@@ -102,7 +103,11 @@ class BlockRecorder:
 
     def event(self, tracer: Any) -> None:
         """An event (allocation or free) happened now."""
-        self._where.append(self._here(tracer))
+        here = self._here(tracer)
+        self._where.append(here)
+        e = tracer.trace.events[-1]
+        if here is _NO_MODULE and e >= 0 and tracer.current_op() is not None:
+            self._during_op.append(e)  # a kernel's scratch: the op's, whatever block the op's is
 
     def own(self, sid: int, tensor: torch.Tensor) -> None:
         """``sid`` is ``tensor`` itself, its gradient or one of its optimizer states."""
@@ -135,6 +140,10 @@ class BlockRecorder:
             for sid in new:
                 if sid is not None:
                     self._note(sid, read, here)
+        for sid in self._during_op:
+            if sid not in self._inputs:
+                self._note(sid, [tracer.storage_id(t) for t in _tensors_in(args)], here)
+        self._during_op.clear()
         if flops:
             first = next((s for s in new if s is not None), None)
             self._flops.append((tracer.phase, tracer.step, first if here is _NO_MODULE else None, flops))
@@ -218,10 +227,9 @@ def _smooth_loop_frees(trace: MemoryTrace, events: list[Label | None], where: li
         j = i
         while j < n and trace.events[j] < 0 and where[j] is _NO_MODULE:
             j += 1
-        group = {events[x] for x in range(i, j)} - {None}
-        if len(group) <= 1 and i > 0 and j < n and phase_of[i - 1] == phase_of[i] == phase_of[j]:
+        if i > 0 and j < n and phase_of[i - 1] == phase_of[i] == phase_of[j]:
             before, after = events[i - 1], events[j]
-            if before == after and group != {before}:
+            if before == after and len({events[x] for x in range(i, j)} - {None, before}) <= 1:
                 for x in range(i, j):
                     events[x] = before
         i = j

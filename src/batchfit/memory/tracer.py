@@ -193,6 +193,10 @@ class Tracer:
         if self._recorder is not None:
             self._recorder.event(self)
 
+    def current_op(self) -> Any:
+        """The op whose outputs or scratch are being recorded (None between ops)."""
+        return self._tracker.current_func
+
     def forward_modules(self) -> list[str]:
         """The modules whose forward is running, outermost first (a checkpointed block's recomputation too)."""
         return self._module_stack
