@@ -6,8 +6,9 @@ block (period 1), or alternating (local/global attention, a dense and a mixture-
 other block: period 2). A block's own index, and any integer attribute that grows by one from block
 to block with it (``layer_idx``), is not a setting. The run may leave out blocks at either end that
 differ (T5's first block, which alone holds the relative-position table). ``cut_stacks`` keeps the
-first four periods of each run and the blocks around it, renumbered as ``ModuleList`` renumbers after
-a deletion, so that the model's own code indexes and iterates the shorter container as usual; a block
+first three periods of each run, its last period and the blocks around it, renumbered as ``ModuleList``
+renumbers after a deletion, so that the model's own code indexes and iterates the shorter container as
+usual (the kept blocks keep their settings, ``layer_idx`` included: the last block is the last); a block
 that was cut away raises if anything still calls it. What the cut model's trace says about the full
 model is ``memory/depth.py``'s business.
 """
@@ -26,8 +27,9 @@ _SIMPLE = (int, float, bool, str, type(None))
 _MIN_CANDIDATE = 3
 """Blocks a container needs before it is looked at as a stack at all."""
 KEPT_PERIODS = 4
-"""Periods of a stack the cut keeps: the first and last (which may differ, being at the ends of the
-stack) and two between them, which must repeat exactly (``memory/sweeps.py``)."""
+"""Periods of a stack the cut keeps: the first and the last (which may differ, being at the ends of the
+stack) and the two after the first, which must repeat exactly (``memory/sweeps.py``): consecutive, so
+that a forward that depends on a block's index with a period of its own shows it."""
 
 
 class BlockCalledAfterCut(RuntimeError):
@@ -50,19 +52,32 @@ class Stack:
 
     @property
     def kept(self) -> int:
-        """Repeating blocks the cut keeps: four periods (the first, two between, the last)."""
+        """Repeating blocks the cut keeps: the first three periods and the last."""
         return KEPT_PERIODS * self.period
 
     @property
     def inserted(self) -> int:
-        """Blocks written into the trace beyond those traced (between the second period and the third)."""
+        """Blocks written into the trace beyond those traced (between the third period and the last)."""
         return self.length - self.kept
+
+    @property
+    def written_from(self) -> int:
+        """Index, among the repeating blocks, of the first block written rather than traced."""
+        return (KEPT_PERIODS - 1) * self.period
+
+    def full_of(self, kept: int) -> int:
+        """Index, among the full stack's repeating blocks, of the cut stack's repeating block ``kept``."""
+        return kept if kept < self.written_from else kept + self.inserted
+
+    def kept_of(self, full: int) -> int | None:
+        """The cut stack's repeating block that is the full stack's ``full`` (None: a written one)."""
+        if full < self.written_from:
+            return full
+        return full - self.inserted if full >= self.written_from + self.inserted else None
 
     def full_index(self, shallow: int) -> int:
         """The container index, in the full model, of the cut container's block ``shallow``."""
-        if shallow < self.start + 2 * self.period:
-            return shallow
-        return shallow + self.inserted
+        return shallow if shallow < self.start + self.written_from else shallow + self.inserted
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -213,16 +228,16 @@ def _guard(module: nn.Module, args: Any) -> None:
 
 
 def cut_stacks(model: nn.Module, stacks: list[Stack]) -> list[nn.Module]:
-    """Keep two periods of each stack's repeating blocks (and the blocks around them); returns the
-    blocks cut away, each of which now raises ``BlockCalledAfterCut`` when called."""
+    """Keep the first three and the last period of each stack's repeating blocks (and the blocks around
+    them); returns the blocks cut away, each of which now raises ``BlockCalledAfterCut`` when called."""
     dropped: list[nn.Module] = []
     for stack in stacks:
         container = model.get_submodule(stack.path) if stack.path else model
         blocks = list(container._modules.values())
-        cut = stack.start + stack.kept
-        gone = blocks[cut : stack.start + stack.length]
+        cut = stack.start + stack.written_from
+        gone = blocks[cut : cut + stack.inserted]
         container._modules.clear()
-        for i, block in enumerate(blocks[:cut] + blocks[stack.start + stack.length :]):
+        for i, block in enumerate(blocks[:cut] + blocks[cut + stack.inserted :]):
             container._modules[str(i)] = block
         for block in gone:
             block.register_forward_pre_hook(_guard)  # type: ignore[union-attr]

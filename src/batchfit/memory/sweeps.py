@@ -48,7 +48,7 @@ class _Sweep:
     """``(start, end)`` event range of each kept block's turn, by block index."""
     descending: bool
     templates: list[list[tuple[int, int]]] = field(default_factory=list)
-    """Per phase: the template's events, each as ``(event index, kept block)`` of the turn it is read from."""
+    """Per phase: the two middle turns' events, paired (the template)."""
 
     @property
     def start(self) -> int:
@@ -303,7 +303,9 @@ class _Writer:
                         if self.t.events[a] >= 0 and b in position_of:
                             self._name(self.t.events[a], (s_index, phase, position_of[b]), end)
         for sweep, phase, pairs in middles:
-            sweep.templates.append([self._template(sweep, phase, a, b) for a, b in pairs])
+            for a, b in pairs:
+                self._check_middles(sweep, phase, a, b)
+            sweep.templates.append(pairs)
 
     def _name(self, sid: int, key: Key, block: int) -> None:
         self.key[sid] = key
@@ -340,9 +342,9 @@ class _Writer:
                 refs.append(("end", sid))
         return refs
 
-    def _template(self, sweep: _Sweep, phase: int, a: int, b: int) -> tuple[int, int]:
-        """The template's event for a pair of the middle turns (``(index, kept block)``); raises where
-        the two differ beyond what one of them reads of an end turn's own storages."""
+    def _check_middles(self, sweep: _Sweep, phase: int, a: int, b: int) -> None:
+        """Raise where a pair of events of the middle turns differ beyond what each reads of an end
+        turn (which ``_pick`` resolves block by block when the trace is written)."""
         period = self.stacks[sweep.stack].period
         blocks = (phase + period, phase + 2 * period)
         ea, eb = self.t.events[a], self.t.events[b]
@@ -351,25 +353,37 @@ class _Writer:
         ):
             raise Irregular("two blocks between the ends of a stack do not repeat (they allocate differently)")
         hands = (self.grads.get(a, ()), self.grads.get(b, ()))
-        if [(h[2], self.names.relative(h[3], sweep.stack, blocks[0])) for h in hands[0]] != [
-            (h[2], self.names.relative(h[3], sweep.stack, blocks[1])) for h in hands[1]
-        ]:
+        if [h[2] for h in hands[0]] != [h[2] for h in hands[1]]:
             raise Irregular("two blocks between the ends of a stack hand over different gradients")
-        choice = None
-        period, refs = self.stacks[sweep.stack].period, []
-        for side, (x, block) in enumerate(((a, blocks[0]), (b, blocks[1]))):
-            refs.append([(r, r[0] == "rel" and period <= block + r[1] < 3 * period) for r in self._refs(x, sweep.stack, block)])
-        for (ra, a_middle), (rb, b_middle) in zip(*refs):
+        for ra, rb in zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1])):
             if ra == rb and (ra[0] == "rel" or ra == ("fixed", None)):
                 continue
-            # One of them frees (or hands over) a storage of an end turn, the other its neighbour's
-            # between the ends: what a block between the ends does is the latter.
-            side = 0 if a_middle and not b_middle and rb[0] != "fixed" else (
-                1 if b_middle and not a_middle and ra[0] != "fixed" else None)  # fmt: skip
-            if side is None or choice not in (None, side):
+            a_middle = self._to_middle(ra, sweep.stack, blocks[0])
+            b_middle = self._to_middle(rb, sweep.stack, blocks[1])
+            if not (a_middle or b_middle) or (a_middle and b_middle) or "fixed" in (ra[0], rb[0]):
                 raise Irregular("two blocks between the ends of a stack do not repeat (they free different storages)")
-            choice = side
-        return (a, blocks[0]) if choice in (None, 0) else (b, blocks[1])
+
+    def _to_middle(self, ref: tuple, stack: int, block: int) -> bool:
+        period = self.stacks[stack].period
+        return ref[0] == "rel" and period <= block + ref[1] < 3 * period
+
+    def _pick(self, sweep: _Sweep, phase: int, ra: tuple, rb: tuple, full: int) -> int | None:
+        """The storage a block between the ends (full index ``full``) frees or hands over where the two
+        middle turns freed ``ra`` and ``rb``: an end block's own, where the block is next to that end as
+        the middle turn that read it was; else what the middle turns do between themselves."""
+        st = self.stacks[sweep.stack]
+        if ra == rb:
+            return None if ra[1] is None else self._storage(ra[2], full + ra[1], sweep.stack)
+        interior = None
+        for ref, block in ((ra, phase + st.period), (rb, phase + 2 * st.period)):
+            if self._to_middle(ref, sweep.stack, block):
+                interior = ref
+                continue
+            end = block + ref[1] if ref[0] == "rel" else self.turn[self.born[ref[1]]][2]
+            if full + end - block == st.full_of(end):  # next to that end, as the middle turn was
+                return self._storage(ref[2], st.full_of(end), sweep.stack) if ref[0] == "rel" else ref[1]
+        assert interior is not None
+        return self._storage(interior[2], full + interior[1], sweep.stack)
 
     # -- writing the full-depth trace ------------------------------------------------------------
     def write(self) -> MemoryTrace:
@@ -395,15 +409,20 @@ class _Writer:
                 self._emit(i, None, 0, 0)
                 i += 1
                 continue
-            for full, source in self._turns(sweep):
-                if isinstance(source, int):  # a kept block's own turn
-                    a, b = sweep.runs[source]
+            st = self.stacks[sweep.stack]
+            for full, kept in self._turns(sweep):
+                if kept is not None and not st.period <= kept < 3 * st.period:  # an end block's own turn
+                    a, b = sweep.runs[kept]
                     for x in range(a, b):
                         new_index[x] = len(out.events)
-                        self._emit(x, sweep.stack, source, full)
-                else:
-                    for x, block in sweep.templates[source[1]]:
-                        self._emit(x, sweep.stack, block, full, written=True)
+                        self._emit(x, sweep.stack, kept, full)
+                    continue
+                phase = full % st.period
+                for a, b in sweep.templates[phase]:
+                    own = a if kept == phase + st.period else b if kept == phase + 2 * st.period else None
+                    if own is not None:
+                        new_index[own] = len(out.events)
+                    self._emit_middle(sweep, phase, a, b, full, own)
             i = sweep.end
         new_index[n] = len(out.events)
         for _, sid, copied, made in self.grads.get(n, ()):
@@ -416,20 +435,14 @@ class _Writer:
 
     def _full(self, stack: int, block: int) -> int:
         """Full index, within the stack's repeating blocks, of kept block ``block``."""
-        st = self.stacks[stack]
-        return block if block < 2 * st.period else block + st.inserted
+        return self.stacks[stack].full_of(block)
 
-    def _turns(self, sweep: _Sweep) -> Iterator[tuple[int, Any]]:
-        """``(full index, kept block or ("template", phase))`` of each turn of the full sweep, in order."""
+    def _turns(self, sweep: _Sweep) -> Iterator[tuple[int, int | None]]:
+        """``(full index, kept block or None for a written one)`` of each turn of the full sweep, in order."""
         st = self.stacks[sweep.stack]
         order = range(st.length - 1, -1, -1) if sweep.descending else range(st.length)
         for full in order:
-            if full < 2 * st.period:
-                yield full, full
-            elif full >= 2 * st.period + st.inserted:
-                yield full, full - st.inserted
-            else:
-                yield full, ("template", full % st.period)
+            yield full, st.kept_of(full)
 
     def _target(self, sid: int, stack: int | None, block: int, full: int) -> int:
         """The storage ``sid`` (freed or handed over by ``block``'s turn, full index ``full``) stands for:
@@ -446,33 +459,45 @@ class _Writer:
         st = self.stacks[stack]
         if not 0 <= full < st.length:
             raise Irregular("a block frees a storage of a block the stack does not have")
-        if full < 2 * st.period or full >= 2 * st.period + st.inserted:
-            sid = self.by_key.get((key, full if full < 2 * st.period else full - st.inserted))
-        else:
-            sid = self.written.get((key, full))
+        kept = st.kept_of(full)
+        sid = self.by_key.get((key, kept)) if kept is not None else self.written.get((key, full))
         if sid is None:
             raise Irregular("a block frees a storage its neighbour does not make")
         return sid
 
-    def _emit(self, index: int, stack: int | None, block: int, full: int, written: bool = False) -> None:
-        """Event ``index`` of the cut trace as block ``full``'s (a template's event when ``written``)."""
-        out, t = self.out, self.t
+    def _emit(self, index: int, stack: int | None, block: int, full: int) -> None:
+        """Event ``index`` of the cut trace as block ``full``'s (an end block's own, or a fixed event)."""
+        out = self.out
         for _, sid, copied, made in self.grads.get(index, ()):
             target = self._target(sid, stack, block, full) if sid is not None else None
             out.grads.append((len(out.events), target, copied, self._made_in(made, sid, stack, block, full)))
-        e = t.events[index]
+        e = self.t.events[index]
+        out.events.append(e if e >= 0 else ~self._target(~e, stack, block, full))
+
+    def _emit_middle(self, sweep: _Sweep, phase: int, a: int, b: int, full: int, own: int | None) -> None:
+        """The template's pair ``(a, b)`` as block ``full``'s event: a middle turn's own (``own``), or a
+        written block's with a fresh storage."""
+        out, t, stack = self.out, self.t, sweep.stack
+        period = self.stacks[stack].period
+        blocks = (phase + period, phase + 2 * period)
+        refs = zip(self._refs(a, stack, blocks[0]), self._refs(b, stack, blocks[1]))
+        e = t.events[a]
+        targets = [self._pick(sweep, phase, ra, rb, full) for ra, rb in refs]
         if e < 0:
-            out.events.append(~self._target(~e, stack, block, full))
-        elif not written:
-            out.events.append(e)
+            freed, targets = targets[0], targets[1:]
+        for (_, sid, copied, made), target in zip(self.grads.get(a, ()), targets):
+            out.grads.append((len(out.events), target, copied, self._made_in(made, sid, stack, blocks[0], full)))
+        if e < 0:
+            out.events.append(~freed)  # type: ignore[operator]
+        elif own is not None:
+            out.events.append(t.events[own])
         else:
-            assert stack is not None
             sid = self.fresh
             self.fresh += 1
             self.written[(self.key[e], full)] = sid
             out.events.append(sid)
             out.nbytes[sid] = t.nbytes[e]
-            out.module[sid] = self.names.written(t.module.get(e, ""), stack, block, full)
+            out.module[sid] = self.names.written(t.module.get(e, ""), stack, blocks[0], full)
             for table in (out.role, out.op, out.rows):
                 if e in table:
                     table[sid] = table[e]  # type: ignore[index]
@@ -556,10 +581,8 @@ def _notes(notes: list[str], names: _Names, stacks: list[Stack]) -> list[str]:
         if any(seen(b) != seen(b + period) for b in range(period, 2 * period)):
             raise Irregular("two blocks between the ends of a stack make different notes")
         for full in range(stack.length):
-            if full < 2 * period or full >= 2 * period + stack.inserted:
-                source = full if full < 2 * period else full - stack.inserted
-            else:
-                source = period + full % period
+            kept = stack.kept_of(full)
+            source = kept if kept is not None else period + full % period
             for note in group.get(source, []):
                 m, _, r = note.partition(": ")
                 out.append(names.written(m, found[0], source, full) + ": " + r)
