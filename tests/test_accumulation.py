@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from trace_compare import canonical
 
 import batchfit
 from batchfit import presets
@@ -23,7 +24,6 @@ from batchfit.memory.estimate import (
     with_accumulation,
 )
 from batchfit.precision import policy_for
-from trace_compare import canonical
 
 A100 = get_device("A100-80GB")
 V100 = get_device("V100-16GB")

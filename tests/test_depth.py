@@ -44,10 +44,6 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def _synthesis(on: bool) -> Any:
-    return pytest.MonkeyPatch.context()
-
-
 def _trace(wl: Any, synthesis: bool, device: Any = A100, precision: str = "fp32", classes: tuple = (),
            batch_size: int = 2) -> Any:  # fmt: skip
     policy = policy_for(precision, bf16_supported=device.bf16 or device.exact, device_name=device.name)
@@ -184,6 +180,14 @@ class _Dense(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+class _Indexed(_Dense):
+    """A block whose forward depends on its index (set as ``index``), not by a period: block 2 doubles."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x * 2.0 if self.index == 2 else x
+
+
 class _Alternating(nn.Module):
     """Blocks of one class whose width alternates with period ``period`` (every ``period``-th is wide)."""
 
@@ -230,7 +234,8 @@ class _Stack(nn.Module):
         super().__init__()
         self.kind = kind
         self.embed = nn.Embedding(64, 16)
-        self.blocks = nn.ModuleList(_Dense(16, kind == "shapes" and i % 3 == 1) for i in range(6))
+        block = _Indexed if kind == "by-index" else _Dense
+        self.blocks = nn.ModuleList(block(16, kind == "shapes" and i % 3 == 1) for i in range(6))
         for i, block in enumerate(self.blocks):
             block.index = i  # type: ignore[assignment]
         if kind == "shared":
@@ -245,7 +250,7 @@ class _Stack(nn.Module):
         blocks = self.listed if self.kind == "listed" else self.blocks
         for i in range(6) if self.kind == "indexed" else range(len(blocks)):
             x = blocks[i](x)
-            if self.kind == "by-index" and i == 2:  # the block's index, other than by a period
+            if self.kind == "between" and i == 2:  # an op between two blocks
                 x = x * 2.0
             outputs.append(x)
         if self.kind == "summed":  # one tensor from every block's output: its size is the depth's
@@ -257,6 +262,7 @@ FULL_DEPTH = {
     "indexed": "the step failed with its stacks cut",
     "listed": "the step failed with its stacks cut (BlockCalledAfterCut",
     "by-index": "two blocks between the ends of a stack do not repeat",
+    "between": "allocates outside its turn in a sweep over the blocks",
     "summed": "an op outside the blocks computed one tensor from",
     "shapes": "blocks: no run of its blocks repeats 5 times",
     "shared": "blocks: its blocks share parameters or buffers",

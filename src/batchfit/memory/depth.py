@@ -4,32 +4,33 @@ NOTE [ Depth synthesis ]
 A trace costs time in proportion to the model's depth, and most models repeat one block N times: the
 same ops on the same shapes, the same parameter, gradient and optimizer-state storages, the same
 activations kept for backward. So the step is traced with every stack (``memory/stacks.py``) cut to
-two periods of its repeating blocks (two blocks, or four where layers alternate), each event labelled
-with the block it belongs to (``memory/blocklabels.py``), and the full-depth trace is written from it
-(``memory/sweeps.py``): wherever the cut step sweeps over the blocks (a forward, a backward in reverse,
-the parameters' registration, each of the optimizer's loops, ``zero_grad``), the missing blocks'
-events are written between the first period and the second, each block's as the traced blocks' are,
-with fresh storages; a storage a block frees of another block is that block's neighbour at the same
-distance. The allocator model then replays it as any trace: nothing downstream knows.
+four periods of its repeating blocks (four blocks, or eight where layers alternate in pairs: the first
+three periods and the last), each event labelled with the block it belongs to
+(``memory/blocklabels.py``), and the full-depth trace is written from it (``memory/sweeps.py``):
+wherever the cut step sweeps over the blocks (a forward, a backward in reverse, the parameters'
+registration, each of the optimizer's loops, ``zero_grad``), the missing blocks' events are written
+between the third period and the last, each block's as the two middle periods' are, with fresh
+storages; a storage a block frees of another block is that block's neighbour at the same distance.
+The allocator model then replays it as any trace: nothing downstream knows.
 
 What it assumes, and checks on the cut trace before it is used:
 
-* the blocks of a period repeat: the events of block ``k`` equal those of block ``k + period`` up to
-  storage identity (sizes, roles, ops, modules, gradient hand-overs, FLOPs), but at the two ends,
-  where a block has no neighbour (the first block frees the embedding's output where the others free
-  their predecessor's), and for storages made once (a library's workspace), which the first traced
-  block makes alone;
+* the blocks between the ends repeat: the events of the two middle periods' blocks (consecutive blocks
+  of the model) are equal, phase by phase, up to storage identity (sizes, roles, ops, modules, rows,
+  gradient hand-overs, FLOPs, notes), but for what each reads of the end next to it; the ends (the
+  first and the last period) may differ, and are kept as they are;
 * every event of a sweep belongs to one block's turn, in order, with nothing of the other parts between
   two blocks; an op outside the blocks never computes one tensor from several of them (a loss over
   every layer's router logits has the depth in its size);
-* the forward does not depend on a block's index other than by the period, nor on the number of
-  blocks, and the model reaches its blocks through their container (a block cut away raises if
-  called).
+* the forward does not depend on a block's index other than by a period (which the two consecutive
+  middle periods show), on the number of blocks, or on one block in the middle of the stack being
+  special; the model reaches its blocks through their container (a block cut away raises if called).
 
 A trace that fails a check, or a step that fails cut, is traced at full depth and the estimate's notes
-say why; so is any container of like blocks that is not a stack (blocks that differ in shape, share
-parameters, or are uninitialised). ``tests/test_depth.py`` compares the written traces with real
-full-depth ones, event for event, across the zoo. ``BATCHFIT_DEPTH_SYNTHESIS=0`` turns it off.
+say why; so is a model whose container of like blocks, holding most of its parameters, is not a stack
+(blocks that differ in shape, share parameters, or are uninitialised). ``tests/test_depth.py`` compares
+the written traces with real full-depth ones, event for event, across the zoo.
+``BATCHFIT_DEPTH_SYNTHESIS=0`` turns it off.
 
 On the CPU the trace measures real kernels' scratch per op signature (``memory/probe.py``); the blocks
 a trace leaves out run the signatures of those it keeps, so the written trace is the CPU's as well.

@@ -164,7 +164,7 @@ def find_stacks(model: nn.Module) -> tuple[list[Stack], list[str]]:
     reasons: list[str] = []
     inside: list[str] = []  # block prefixes of stacks found: containers under them are left alone
     owners: dict[int, int] = {}
-    for module in model.modules():
+    for _, module in model.named_modules(remove_duplicate=False):  # a module held twice counts twice
         for _, t in _tensors(module):
             owners[id(t)] = owners.get(id(t), 0) + 1
     total = _elements(model)

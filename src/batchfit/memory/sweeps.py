@@ -2,22 +2,23 @@
 
 The cut trace is read as fixed events (the model's other parts) and *sweeps*: wherever the step goes
 over a stack's blocks in order (a forward, a backward in reverse, one of the optimizer's loops), the
-events of each block's turn, one turn after another. Of the four periods a stack keeps, the first
-and the last are the ends of the stack and may differ from the rest (the first block reads the
-embedding's output, and in a fine-tuned model may not need its input's gradient; the last block's
-output goes to the head; the first turn of a sweep makes what is made once, a library's workspace).
-The two periods between have a neighbour on each side, as every block of the full stack between its
-ends has: their turns must be equal, event for event, up to storage identity, phase by phase of the
-period, and the second period's turns are the *template* every block written between them takes.
-Storages are named by ``(sweep, phase, position in the template)`` plus the block (the end turns are
-aligned to the template too, where they agree with it), so a turn frees "the storage of block
-``n + d`` at that position".
+events of each block's turn, one turn after another. A stack keeps its first three periods and its
+last. The first and the last are its ends and may differ from the rest: the first block reads the
+embedding's output (and in a fine-tuned model may not need its input's gradient), the last block's
+output goes to the head, and the first turn of a sweep makes what is made once (a library's
+workspace). The two middle periods are consecutive blocks of the model with a neighbour on each side,
+as every block between the ends has: their turns must agree event for event, phase by phase of the
+period, up to storage identity and to what each reads of the end next to it (the first middle block
+frees the first block's storages where the second frees the first middle block's). Together they are
+the *template* every block written between the third period and the last takes. Storages are named
+by ``(sweep, phase, position in the template)`` plus the block (the end turns are aligned to the
+template too, where they agree with it), so a turn frees "the storage of block ``n + d`` at that
+position", and a block next to an end reads that end's storages as the middle turn next to it did.
 
 The written trace keeps every event of the cut trace in place, with the turns of the missing blocks
-written between the second period's and the third's in each sweep; a kept turn frees its neighbours by
-distance, which in the full stack can be a written block. Then it is checked: every storage born once
-and freed at most once, after its birth, and each written storage freed where the traced ones of its
-kind are.
+written between the third period's and the last's in each sweep. Then it is checked: every storage
+born once and freed at most once, after its birth, and each written storage freed where the traced
+ones of its kind are.
 """
 
 from __future__ import annotations
@@ -553,38 +554,42 @@ class _Writer:
 
 def _notes(notes: list[str], names: _Names, stacks: list[Stack]) -> list[str]:
     """The notes of the full-depth step: a note made in a block between the ends of a stack is made in
-    every such block (notes begin with the module they were made in)."""
+    every such block (a note begins with the module it was made in: ``module: text``)."""
     out: list[str] = []
     i = 0
     while i < len(notes):
-        module, sep, rest = notes[i].partition(": ")
-        found = names.block(module) if sep else None
+        module, _, text = notes[i].partition(": ")
+        found = names.block(module) if text else None
         if found is None:
-            out.append(names.written(module, None, 0, 0) + sep + rest if sep else notes[i])
+            out.append(f"{names.written(module, None, 0, 0)}: {text}" if text else notes[i])
             i += 1
             continue
-        stack = stacks[found[0]]
-        period = stack.period
-        group: dict[int, list[str]] = {}
-        j = i
-        while j < len(notes):
-            m, s2, r = notes[j].partition(": ")
-            f = names.block(m) if s2 else None
-            if f is None or f[0] != found[0]:
+        group: dict[int, list[tuple[str, str]]] = {}  # kept block -> its notes, (module, text)
+        while i < len(notes):
+            module, _, text = notes[i].partition(": ")
+            block = names.block(module) if text else None
+            if block is None or block[0] != found[0]:
                 break
-            group.setdefault(f[1], []).append(notes[j])
-            j += 1
+            group.setdefault(block[1], []).append((module, text))
+            i += 1
+        out.extend(_notes_of_stack(group, names, found[0], stacks[found[0]]))
+    return out
 
-        def seen(b: int) -> list[tuple[Any, str]]:
-            return [(names.relative(m, found[0], b), r) for m, _, r in (x.partition(": ") for x in group.get(b, []))]
 
-        if any(seen(b) != seen(b + period) for b in range(period, 2 * period)):
-            raise Irregular("two blocks between the ends of a stack make different notes")
-        for full in range(stack.length):
-            kept = stack.kept_of(full)
-            source = kept if kept is not None else period + full % period
-            for note in group.get(source, []):
-                m, _, r = note.partition(": ")
-                out.append(names.written(m, found[0], source, full) + ": " + r)
-        i = j
+def _notes_of_stack(group: dict[int, list[tuple[str, str]]], names: _Names, s: int, stack: Stack) -> list[str]:
+    period = stack.period
+
+    def seen(block: int) -> list[tuple[Any, str]]:
+        return [(names.relative(module, s, block), text) for module, text in group.get(block, [])]
+
+    if any(seen(b) != seen(b + period) for b in range(period, 2 * period)):
+        raise Irregular("two blocks between the ends of a stack make different notes")
+    order = list(group)  # the blocks as their notes were first made: forward, or backward's reverse
+    if order not in (sorted(order), sorted(order, reverse=True)):
+        raise Irregular("the notes of a stack's blocks are not made in the blocks' order")
+    out = []
+    for full in range(stack.length) if order == sorted(order) else range(stack.length - 1, -1, -1):
+        kept = stack.kept_of(full)
+        source = kept if kept is not None else period + full % period
+        out.extend(f"{names.written(module, s, source, full)}: {text}" for module, text in group.get(source, []))
     return out
