@@ -19,7 +19,9 @@ model's other parts (the embedding, the head, the loss), from what the ``Tracer`
   is over, when the optimizer's step counters are known to be states. A free belongs to the freed
   storage's block, except that a loop's variable dropped on the next turn (the per-parameter optimizer
   loop rebinds ``denom``) belongs to the turn that drops it: a group of consecutive frees between two
-  events of one label, of storages of that label and at most one other, takes that label.
+  events of one label, of storages of that label and at most one other, takes that label. So does a
+  group of frees made outside the blocks between the turns of two neighbour blocks: a loop over the
+  blocks rebinding its variable when the next block returns (``output = layer(output)``).
 
 An op outside the blocks whose output is computed from several blocks of one stack (a loss over every
 layer's router logits, a norm of all gradients stacked) has a size that depends on the depth: the
@@ -209,8 +211,10 @@ def _tensors_in(args: Any) -> list[torch.Tensor]:
 
 
 def _smooth_loop_frees(trace: MemoryTrace, events: list[Label | None], where: list[Any]) -> None:
-    """A group of frees outside every module, of one block's storages, between two events of one label
-    in the same phase, takes that label (a loop variable dropped on the next turn; see the NOTE)."""
+    """Frees made outside the blocks by a loop over them take the label of the turn they close (see the
+    NOTE): a group of consecutive frees made outside every block, in one phase, between two events of
+    one label (of that label's storages and at most one other block's), or between the turns of two
+    neighbour blocks (a loop variable rebound when the next block returns)."""
     starts = sorted(index for index, _, _ in trace.phases)
     phase_of = [0] * len(events)
     k = 0
@@ -218,18 +222,27 @@ def _smooth_loop_frees(trace: MemoryTrace, events: list[Label | None], where: li
         while k + 1 < len(starts) and starts[k + 1] <= i:
             k += 1
         phase_of[i] = k
+
+    def outside(x: int) -> bool:
+        return trace.events[x] < 0 and (where[x] is _NO_MODULE or where[x] is None)
+
     i = 0
     n = len(events)
     while i < n:
-        if not (trace.events[i] < 0 and where[i] is _NO_MODULE):
+        if not outside(i):
             i += 1
             continue
         j = i
-        while j < n and trace.events[j] < 0 and where[j] is _NO_MODULE:
+        while j < n and outside(j):
             j += 1
         if i > 0 and j < n and phase_of[i - 1] == phase_of[i] == phase_of[j]:
             before, after = events[i - 1], events[j]
-            if before == after and len({events[x] for x in range(i, j)} - {None, before}) <= 1:
+            if before == after:
+                relabel = len({events[x] for x in range(i, j)} - {None, before}) <= 1
+            else:
+                relabel = before is not None and after is not None and before[0] == after[0] and abs(
+                    before[1] - after[1]) == 1  # fmt: skip
+            if relabel:
                 for x in range(i, j):
                     events[x] = before
         i = j

@@ -75,9 +75,16 @@ class Stack:
             return full
         return full - self.inserted if full >= self.written_from + self.inserted else None
 
+    def seen_from_outside(self, kept: int) -> int:
+        """The full stack's block that the cut stack's repeating block ``kept`` is to the model's other
+        parts: the first two periods counted from the start, the others from the end (after the
+        blocks, the head reads the last block's output and the one before it)."""
+        return kept if kept < 2 * self.period else kept + self.inserted
+
     def full_index(self, shallow: int) -> int:
-        """The container index, in the full model, of the cut container's block ``shallow``."""
-        return shallow if shallow < self.start + self.written_from else shallow + self.inserted
+        """The container index, in the full model, of the cut container's block ``shallow`` as the
+        model's other parts see it (``seen_from_outside``; the blocks after the repeating ones too)."""
+        return shallow + self.inserted if shallow >= self.start + 2 * self.period else shallow
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

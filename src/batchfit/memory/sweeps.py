@@ -446,14 +446,15 @@ class _Writer:
             yield full, st.kept_of(full)
 
     def _target(self, sid: int, stack: int | None, block: int, full: int) -> int:
-        """The storage ``sid`` (freed or handed over by ``block``'s turn, full index ``full``) stands for:
-        a block's storage by its distance, anything else as it is."""
-        if stack is None:
-            return sid
+        """The storage ``sid`` (freed or handed over by ``block``'s turn, full index ``full``, or by a
+        fixed event: ``stack`` None) stands for: a block's storage by its distance from the turn, or as
+        the model's other parts see the block; anything else as it is."""
         turn = self.turn.get(self.born.get(sid, -1))
         key = self.key.get(sid)
-        if turn is None or turn[1] != stack or key is None:
+        if turn is None or key is None:
             return sid
+        if stack is None or turn[1] != stack:  # as the model's other parts see the block
+            return self._storage(key, self.stacks[turn[1]].seen_from_outside(turn[2]), turn[1])
         return self._storage(key, full + turn[2] - block, stack)
 
     def _storage(self, key: Key, full: int, stack: int) -> int:
@@ -507,9 +508,11 @@ class _Writer:
         """The module that made a handed-over gradient, named as its storage is: by distance from the
         turn handing it over when the storage is a neighbour's, else as the turn that made it is."""
         turn = self.turn.get(self.born.get(sid, -1)) if sid is not None else None
-        if turn is not None and (turn[1] != stack or sid not in self.key):
-            return self.names.written(made, turn[1], turn[2], self._full(turn[1], turn[2]))
-        return self.names.written(made, stack, block, full)
+        if turn is None or (turn[1] == stack and sid in self.key):
+            return self.names.written(made, stack, block, full)
+        st = self.stacks[turn[1]]
+        target = st.seen_from_outside(turn[2]) if sid in self.key else st.full_of(turn[2])
+        return self.names.written(made, turn[1], turn[2], target)
 
     def _flops(self) -> dict[tuple[str, int], int]:
         totals: dict[tuple[str, int], int] = {}
