@@ -38,6 +38,7 @@ a trace leaves out run the signatures of those it keeps, so the written trace is
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,8 +79,10 @@ STATS = DepthStats()
 class DepthCut:
     """The cut of one traced model: its stacks, and the recorder that labels its trace's events.
 
-    ``trace_workload`` calls ``apply`` on the built model before it makes the optimizer; when a stack
-    was cut, ``recorder`` is the ``BlockRecorder`` to give the ``Tracer``.
+    ``trace_workload`` calls ``prepare`` before it builds the model (the stacks known from a build on
+    the ``meta`` device: ``memory/stackplan.py``), builds it inside ``building()`` (the blocks the cut
+    drops built empty), and calls ``apply`` on the built model before it makes the optimizer; when a
+    stack was cut, ``recorder`` is the ``BlockRecorder`` to give the ``Tracer``.
     """
 
     def __init__(self) -> None:
@@ -87,12 +90,33 @@ class DepthCut:
         self.reasons: list[str] = []
         self.recorder: Any = None
         self.root = ""
+        self.plan: Any = None
+
+    def prepare(self, workload: Any, param_dtype: Any) -> None:
+        """Know the model's stacks before it is built, where a build on ``meta`` shows them."""
+        from .stackplan import plan_cut
+
+        self.plan = plan_cut(workload, param_dtype)
+
+    def building(self) -> contextlib.AbstractContextManager:
+        """The context to build the model in: the dropped blocks constructed empty, as planned."""
+        return self.plan.skipping() if self.plan is not None else contextlib.nullcontext()
+
+    def built_as_planned(self, model: nn.Module) -> bool:
+        """Whether the model built in ``building()`` is as planned (else: build it again, whole)."""
+        if self.plan is None or self.plan.built_as_planned(model):
+            return True
+        self.plan = None
+        return False
 
     def apply(self, model: nn.Module) -> None:
-        """Find ``model``'s stacks and cut each to two periods of its repeating blocks."""
+        """Find ``model``'s stacks (or take the plan's) and cut each to four periods of its blocks."""
         from .blocklabels import BlockRecorder, block_labels
 
-        self.stacks, self.reasons = find_stacks(model)
+        if self.plan is not None:
+            self.stacks, self.reasons = list(self.plan.stacks), list(self.plan.reasons)
+        else:
+            self.stacks, self.reasons = find_stacks(model)
         if not self.stacks:
             return
         cut_stacks(model, self.stacks)

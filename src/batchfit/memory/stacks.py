@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BlockCalledAfterCut", "Stack", "cut_stacks", "find_stacks"]
+__all__ = ["BlockCalledAfterCut", "Stack", "block_signatures", "cut_stacks", "find_stacks"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MIN_CANDIDATE = 3
@@ -124,6 +124,16 @@ def _raw_signature(block: nn.Module) -> tuple[list[Any], dict[tuple[str, str], A
         for key, value in _settings(module).items():
             settings[(name, key)] = value
     return rows, settings, ids, lazy
+
+
+def block_signatures(blocks: list[nn.Module]) -> tuple[Any, ...]:
+    """What a block's trace depends on that its construction decides: its classes, tensors' layouts,
+    hooks and settings (its index included), block by block."""
+    out = []
+    for block in blocks:
+        rows, settings, _, _ = _raw_signature(block)
+        out.append((type(block), tuple(rows), tuple(sorted(settings.items(), key=repr))))
+    return tuple(out)
 
 
 def _index_like(settings: list[dict[tuple[str, str], Any]]) -> set[tuple[str, str]]:

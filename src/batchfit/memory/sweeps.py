@@ -171,6 +171,7 @@ class _Writer:
         self.turn: dict[int, tuple[int, int, int]] = {}  # event index -> (sweep, stack, kept block)
         self.key: dict[int, Key] = {}  # sid -> its name within its block
         self.by_key: dict[tuple[Key, int], int] = {}  # (key, kept block) -> sid
+        self._names_written: dict[tuple[str, int, int], str] = {}
         self.grads: dict[int, list[tuple[int, int | None, bool, str]]] = {}  # event index -> hand-overs before it
         for entry in trace.grads:
             self.grads.setdefault(entry[0], []).append(entry)
@@ -401,6 +402,7 @@ class _Writer:
             else:
                 out.module[sid] = self.names.written(name, turn[1], turn[2], self._full(turn[1], turn[2]))
         new_index: dict[int, int] = {}
+        compiled: dict[tuple[int, int], list[tuple]] = {}
         starts = {sweep.start: sweep for sweep in self.sweeps}
         i, n = 0, len(t.events)
         while i < n:
@@ -419,11 +421,14 @@ class _Writer:
                         self._emit(x, sweep.stack, kept, full)
                     continue
                 phase = full % st.period
-                for a, b in sweep.templates[phase]:
-                    own = a if kept == phase + st.period else b if kept == phase + 2 * st.period else None
+                template = compiled.get((id(sweep), phase))
+                if template is None:
+                    template = compiled[(id(sweep), phase)] = self._compile(sweep, phase)
+                for entry in template:
+                    own = entry[0] if kept == phase + st.period else entry[1] if kept == phase + 2 * st.period else None
                     if own is not None:
                         new_index[own] = len(out.events)
-                    self._emit_middle(sweep, phase, a, b, full, own)
+                    self._emit_middle(sweep, phase, entry, full, own)
             i = sweep.end
         new_index[n] = len(out.events)
         for _, sid, copied, made in self.grads.get(n, ()):
@@ -476,19 +481,32 @@ class _Writer:
         e = self.t.events[index]
         out.events.append(e if e >= 0 else ~self._target(~e, stack, block, full))
 
-    def _emit_middle(self, sweep: _Sweep, phase: int, a: int, b: int, full: int, own: int | None) -> None:
-        """The template's pair ``(a, b)`` as block ``full``'s event: a middle turn's own (``own``), or a
+    def _compile(self, sweep: _Sweep, phase: int) -> list[tuple]:
+        """The template of ``phase`` as ``_emit_middle`` writes it: each pair of middle events with what
+        they free or hand over, read once for all the blocks written from it."""
+        period = self.stacks[sweep.stack].period
+        blocks = (phase + period, phase + 2 * period)
+        out = []
+        for a, b in sweep.templates[phase]:
+            refs = list(zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1])))
+            hands = [(sid, copied, made) for _, sid, copied, made in self.grads.get(a, ())]
+            out.append((a, b, self.t.events[a], refs, hands))
+        return out
+
+    def _emit_middle(self, sweep: _Sweep, phase: int, entry: tuple, full: int, own: int | None) -> None:
+        """A template event as block ``full``'s: a middle turn's own (``own``, its event index), or a
         written block's with a fresh storage."""
         out, t, stack = self.out, self.t, sweep.stack
-        period = self.stacks[stack].period
-        blocks = (phase + period, phase + 2 * period)
-        refs = zip(self._refs(a, stack, blocks[0]), self._refs(b, stack, blocks[1]))
-        e = t.events[a]
+        _, _, e, refs, hands = entry
+        if e >= 0 and own is not None and not hands:  # a middle turn's own allocation, as it is
+            out.events.append(t.events[own])
+            return
+        block = phase + self.stacks[stack].period
         targets = [self._pick(sweep, phase, ra, rb, full) for ra, rb in refs]
         if e < 0:
             freed, targets = targets[0], targets[1:]
-        for (_, sid, copied, made), target in zip(self.grads.get(a, ()), targets):
-            out.grads.append((len(out.events), target, copied, self._made_in(made, sid, stack, blocks[0], full)))
+        for (sid, copied, made), target in zip(hands, targets):
+            out.grads.append((len(out.events), target, copied, self._made_in(made, sid, stack, block, full)))
         if e < 0:
             out.events.append(~freed)  # type: ignore[operator]
         elif own is not None:
@@ -499,10 +517,17 @@ class _Writer:
             self.written[(self.key[e], full)] = sid
             out.events.append(sid)
             out.nbytes[sid] = t.nbytes[e]
-            out.module[sid] = self.names.written(t.module.get(e, ""), stack, blocks[0], full)
+            out.module[sid] = self._written_name(t.module.get(e, ""), stack, block, full)
             for table in (out.role, out.op, out.rows):
                 if e in table:
                     table[sid] = table[e]  # type: ignore[index]
+
+    def _written_name(self, name: str, stack: int, block: int, full: int) -> str:
+        key = (name, block, full)
+        found = self._names_written.get(key)
+        if found is None:
+            found = self._names_written[key] = self.names.written(name, stack, block, full)
+        return found
 
     def _made_in(self, made: str, sid: int | None, stack: int | None, block: int, full: int) -> str:
         """The module that made a handed-over gradient, named as its storage is: by distance from the

@@ -80,12 +80,14 @@ def trace_workload(
             trace's events labelled by block, for ``memory.depth.trace_deep`` to write the full depth.
     """
     from ..checkpointing import apply_checkpointing
-    from .construct import build_fake_model, fake_session, materialize_lazy
+    from .construct import fake_session, materialize_lazy
     from .steps import prefer_foreach
 
+    if depth is not None:
+        depth.prepare(workload, param_dtype)
     with fake_session() as values:
         with default_dtype(param_dtype):
-            model, notes = build_fake_model(workload, param_dtype)
+            model, notes = _build(workload, param_dtype, depth)
             apply_checkpointing(model, checkpoint_classes)
             model.train()
             if materialize_lazy(model, workload):
@@ -100,6 +102,30 @@ def trace_workload(
             param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,
             host_memory_counts=host_memory_counts, steps=steps, recorder=getattr(depth, "recorder", None),
         )  # fmt: skip
+
+
+def _build(workload: Workload, param_dtype: torch.dtype | None, depth: Any) -> tuple[nn.Module, list[str]]:
+    """The fake model; with a ``DepthCut`` that planned the cut, built without the blocks it drops (and
+    built again, whole, if that does not go as planned, or if building read values the trace notes:
+    their count is the whole model's)."""
+    from .construct import build_fake_model
+    from .values import active_value_mode
+
+    if depth is None or depth.plan is None:
+        return build_fake_model(workload, param_dtype)
+    values = active_value_mode()
+    before = dict(values.notes) if values is not None else {}
+    try:
+        with depth.building():
+            model, notes = build_fake_model(workload, param_dtype)
+    except Exception:  # noqa: BLE001 - a constructor that reads the blocks it built: built whole below
+        model = None
+    if model is None or not depth.built_as_planned(model) or (values is not None and values.notes != before):
+        depth.plan = None
+        if values is not None:
+            values.notes = before
+        return build_fake_model(workload, param_dtype)
+    return model, notes
 
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
