@@ -288,6 +288,42 @@ def test_a_plain_stack_is_written_and_a_model_without_one_is_traced_without_a_no
     assert blocks == 0 and not written.notes
 
 
+class _Counted(_Dense):
+    built = 0
+
+    def __init__(self, width: int, wide: bool) -> None:
+        super().__init__(width, wide)
+        type(self).built += 1
+
+
+class _Reading(nn.Module):
+    """Eight blocks; with ``read``, the constructor reads a block the cut drops (it is then built whole)."""
+
+    def __init__(self, read: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(_Counted(16, False) for _ in range(8))
+        self.width = self.blocks[4].up.out_features if read else 16
+        self.head = nn.Linear(self.width, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("read", "built"), [(False, 4), (True, 8)])
+def test_the_blocks_a_cut_drops_are_not_built_unless_the_constructor_reads_them(read: bool, built: int) -> None:
+    wl = _workload(lambda: _Reading(read))
+    real, written, blocks = _both(wl)  # the first trace of the workload also builds it on meta, whole
+    assert blocks == 8
+    assert everything(written) == everything(real)
+    _Counted.built = 0
+    _trace(wl, True)
+    assert _Counted.built == built
+
+
 def test_off_traces_every_block_and_the_cache_keeps_the_two_apart() -> None:
     from batchfit.cache import trace_key
 

@@ -104,10 +104,7 @@ class DepthCut:
 
     def built_as_planned(self, model: nn.Module) -> bool:
         """Whether the model built in ``building()`` is as planned (else: build it again, whole)."""
-        if self.plan is None or self.plan.built_as_planned(model):
-            return True
-        self.plan = None
-        return False
+        return self.plan is None or self.plan.built_as_planned(model)
 
     def apply(self, model: nn.Module) -> None:
         """Find ``model``'s stacks (or take the plan's) and cut each to four periods of its blocks."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from .stacks import Stack, block_signatures, find_stacks
 
-__all__ = ["CutPlan", "plan_cut"]
+__all__ = ["CutPlan", "plan_cut", "plan_failed"]
 
 _PLACEHOLDER = "_batchfit_placeholder"
 
@@ -101,17 +101,28 @@ def _skipping_init(cls: type, init: Any, ordinals: frozenset[int]) -> Any:
 _PLANS: dict[tuple[str, str], CutPlan | None] = {}
 
 
+def _key(workload: Any, param_dtype: torch.dtype | None) -> tuple[str, str] | None:
+    from ..cache import Uncacheable, workload_digest
+
+    try:
+        return workload_digest(workload, param_dtype), str(param_dtype)
+    except Uncacheable:
+        return None
+
+
+def plan_failed(workload: Any, param_dtype: torch.dtype | None) -> None:
+    """The fake build did not go as planned: build ``workload``'s model whole from now on."""
+    key = _key(workload, param_dtype)
+    if key is not None:
+        _PLANS[key] = None
+
+
 def plan_cut(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
     """The cut of ``workload``'s model, from a build on the ``meta`` device (None: no factory to build,
     or it cannot be built there); kept per workload for the process."""
     if isinstance(workload.model, nn.Module):
         return None
-    from ..cache import Uncacheable, workload_digest
-
-    try:
-        key: tuple[str, str] | None = (workload_digest(workload, param_dtype), str(param_dtype))
-    except Uncacheable:
-        key = None
+    key = _key(workload, param_dtype)
     if key is not None and key in _PLANS:
         return _PLANS[key]
     plan = _plan(workload, param_dtype)
