@@ -284,7 +284,7 @@ def _digest(obj: Any) -> str:
 @functools.cache
 def _own_source() -> str:
     """A digest of batchfit's own source files: a changed estimator never reuses an old trace."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the package, not only this subpackage
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
