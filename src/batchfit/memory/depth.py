@@ -69,6 +69,8 @@ class DepthStats:
     """Repeating blocks that ran in traced steps."""
     blocks_written: int = 0
     """Repeating blocks the traces stand for (traced + written)."""
+    traces_written: int = 0
+    """Traces written at full depth from a cut one."""
     full_depth: list[str] = field(default_factory=list)
     """Why a trace that could have been cut was traced at full depth."""
 
@@ -153,6 +155,7 @@ def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
         return _full_depth(trace, str(e))
     STATS.blocks_traced += sum(s.kept for s in cut.stacks)
     STATS.blocks_written += sum(s.length for s in cut.stacks)
+    STATS.traces_written += 1
     full.notes.extend(f"traced at full depth (no depth synthesis): {r}" for r in cut.reasons)
     return full
 
