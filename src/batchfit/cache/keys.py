@@ -298,7 +298,7 @@ def _library_versions() -> tuple[str, ...]:
     import torch
 
     from .. import __version__
-    from ..memory.depth import synthesis_enabled
+    from ..memory.stacks import synthesis_enabled
 
     versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version(),
                 f"depth synthesis {'on' if synthesis_enabled() else 'off'}"]  # fmt: skip

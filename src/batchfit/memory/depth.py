@@ -39,27 +39,18 @@ a trace leaves out run the signatures of those it keeps, so the written trace is
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks
-from .sweeps import Irregular, write_full_depth
+from .fulldepth import write_full_depth
+from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks, synthesis_enabled
+from .sweeps import Irregular
 from .tracer import MemoryTrace
 
 __all__ = ["STATS", "DepthCut", "synthesis_enabled", "trace_deep"]
-
-ENV = "BATCHFIT_DEPTH_SYNTHESIS"
-
-
-def synthesis_enabled() -> bool:
-    """Whether deep models are traced cut and written at full depth (``BATCHFIT_DEPTH_SYNTHESIS``, on
-    unless ``0``)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
 
 @dataclass
 class DepthStats:
@@ -107,6 +98,13 @@ class DepthCut:
     def built_as_planned(self, model: nn.Module) -> bool:
         """Whether the model built in ``building()`` is as planned (else: build it again, whole)."""
         return self.plan is None or self.plan.built_as_planned(model)
+
+    def plan_failed(self, workload: Any, param_dtype: Any) -> None:
+        """The build did not go as planned: build this workload's model whole, now and from now on."""
+        from .stackplan import plan_failed
+
+        self.plan = None
+        plan_failed(workload, param_dtype)
 
     def apply(self, model: nn.Module) -> None:
         """Find ``model``'s stacks (or take the plan's) and cut each to four periods of its blocks."""

@@ -15,13 +15,14 @@ model is ``memory/depth.py``'s business.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["BlockCalledAfterCut", "Stack", "block_signatures", "cut_stacks", "find_stacks"]
+__all__ = ["BlockCalledAfterCut", "Stack", "block_signatures", "cut_stacks", "find_stacks", "synthesis_enabled"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MIN_CANDIDATE = 3
@@ -30,6 +31,12 @@ KEPT_PERIODS = 4
 """Periods of a stack the cut keeps: the first and the last (which may differ, being at the ends of the
 stack) and the two after the first, which must repeat exactly (``memory/sweeps.py``): consecutive, so
 that a forward that depends on a block's index with a period of its own shows it."""
+
+
+def synthesis_enabled() -> bool:
+    """Whether deep models are traced cut and written at full depth (``memory/depth.py``):
+    ``BATCHFIT_DEPTH_SYNTHESIS``, on unless ``0``."""
+    return os.environ.get("BATCHFIT_DEPTH_SYNTHESIS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class BlockCalledAfterCut(RuntimeError):

@@ -121,10 +121,7 @@ def _build(workload: Workload, param_dtype: torch.dtype | None, depth: Any) -> t
     except Exception:  # noqa: BLE001 - a constructor that reads the blocks it built: built whole below
         model = None
     if model is None or not depth.built_as_planned(model) or (values is not None and values.notes != before):
-        from .stackplan import plan_failed
-
-        depth.plan = None
-        plan_failed(workload, param_dtype)
+        depth.plan_failed(workload, param_dtype)
         if values is not None:
             values.notes = before
         return build_fake_model(workload, param_dtype)
