@@ -338,3 +338,15 @@ def test_off_traces_every_block_and_the_cache_keeps_the_two_apart() -> None:
     assert keys["1"][1] == 4 and keys["0"][1] == 0
     assert keys["1"][0] != keys["0"][0]
     assert os.environ.get("BATCHFIT_DEPTH_SYNTHESIS") is None
+
+
+def test_the_state_bytes_of_a_model_built_cut_are_the_whole_models() -> None:
+    from batchfit.memory.states import _state_bytes
+
+    counted = {}
+    for on in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", on)
+            counted[on] = _state_bytes(GPT, torch.bfloat16)
+    assert counted["1"] == counted["0"]
+    assert counted["1"].gradients == sum(p.numel() * 2 for p in fake_model(GPT).parameters())
