@@ -123,6 +123,7 @@ class FitAhead:
             try:
                 os.close(read)
                 _die_with(parent)
+                _quiet()
                 before = CACHE.misses
                 traced, blocks, traces = STATS.blocks_traced, STATS.blocks_written, STATS.traces_written
                 for i, config in enumerate(self._work):
@@ -250,6 +251,23 @@ def _can_fork() -> bool:
     except OSError:
         return False
     return os.access(root / "traces", os.W_OK)
+
+
+def _quiet() -> None:
+    """The child writes nothing to the parent's output (see the NOTE): its streams are fresh ones on
+    ``/dev/null``, and warnings and log records are dropped. A library's warning written to the
+    inherited ``sys.stderr`` would take that stream's lock, which a thread of the parent (a progress
+    display redrawing on a terminal) may have held at the fork: the child would wait for ever."""
+    import logging
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):  # what C code writes, too
+        with contextlib.suppress(OSError):
+            os.dup2(null, fd)
+    os.close(null)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's for as long as it lives
+    warnings.simplefilter("ignore")
+    logging.disable(logging.CRITICAL)
 
 
 def _die_with(parent: int) -> None:
