@@ -1,4 +1,4 @@
-"""A deep model's trace written from a trace of the same step with its stacks cut to two periods.
+"""A deep model's trace written from a trace of the same step with its stacks cut to four periods.
 
 NOTE [ Depth synthesis ]
 A trace costs time in proportion to the model's depth, and most models repeat one block N times: the
@@ -6,7 +6,8 @@ same ops on the same shapes, the same parameter, gradient and optimizer-state st
 activations kept for backward. So the step is traced with every stack (``memory/stacks.py``) cut to
 four periods of its repeating blocks (four blocks, or eight where layers alternate in pairs: the first
 three periods and the last), each event labelled with the block it belongs to
-(``memory/blocklabels.py``), and the full-depth trace is written from it (``memory/sweeps.py``):
+(``memory/blocklabels.py``), read (``memory/sweeps.py``) and written at full depth
+(``memory/fulldepth.py``):
 wherever the cut step sweeps over the blocks (a forward, a backward in reverse, the parameters'
 registration, each of the optimizer's loops, ``zero_grad``), the missing blocks' events are written
 between the third period and the last, each block's as the two middle periods' are, with fresh
@@ -51,6 +52,7 @@ from .sweeps import Irregular
 from .tracer import MemoryTrace
 
 __all__ = ["STATS", "DepthCut", "synthesis_enabled", "trace_deep"]
+
 
 @dataclass
 class DepthStats:
@@ -151,6 +153,8 @@ def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
         full = write_full_depth(shallow, labels, cut.stacks, cut.root)
     except Irregular as e:
         return _full_depth(trace, str(e))
+    except Exception as e:  # noqa: BLE001 - writing the full depth failed: the step is traced whole instead
+        return _full_depth(trace, f"writing the full depth failed ({_why(e)})")
     STATS.blocks_traced += sum(s.kept for s in cut.stacks)
     STATS.blocks_written += sum(s.length for s in cut.stacks)
     STATS.traces_written += 1
