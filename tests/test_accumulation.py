@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from trace_compare import canonical
 
 import batchfit
 from batchfit import presets
@@ -22,37 +23,11 @@ from batchfit.memory.estimate import (
     trace_for_device,
     with_accumulation,
 )
-from batchfit.memory.tracer import MemoryTrace
 from batchfit.precision import policy_for
 
 A100 = get_device("A100-80GB")
 V100 = get_device("V100-16GB")
 GPT = presets.get("gpt", n_layer=2, n_embd=64, n_head=4, vocab_size=256, seq_len=32)
-
-
-def canonical(trace: MemoryTrace) -> tuple[list[int], list[tuple], list[tuple], dict]:
-    """The trace with storages numbered by birth, each described by what the estimate reads of it.
-
-    A run of consecutive frees is compared as a set: the allocator's state after them does not
-    depend on their order (freed blocks merge with free neighbours either way), and the order in
-    which a graph's tensors die is the order Python drops them, which a second trace need not repeat.
-    """
-    number: dict[int, int] = {}
-    events: list[int] = []
-    frees: list[int] = []
-    for e in trace.events:
-        if e < 0:
-            frees.append(~number[~e])
-            continue
-        events += sorted(frees)
-        frees = []
-        number[e] = len(number)
-        events.append(number[e])
-    events += sorted(frees)
-    by_number = sorted(number, key=number.__getitem__)
-    meta = [(trace.nbytes[s], trace.role.get(s), trace.module.get(s), trace.op.get(s), trace.rows.get(s))
-            for s in by_number]  # fmt: skip
-    return events, meta, trace.phases, trace.flops
 
 
 def _traces(wl: Any, device: Any = A100, precision: str = "fp32", checkpointing: bool = False) -> tuple:

@@ -211,3 +211,15 @@ def test_a_module_level_dict_changed_in_place_is_a_new_trace() -> None:
         assert _estimate(wl).breakdown["parameters"] > narrow.breakdown["parameters"]
     finally:
         SIZES["hidden"] = 16
+
+
+def test_the_source_digest_covers_the_whole_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed estimator (any module of the package, not only the cache's) is a new key."""
+    from pathlib import Path
+
+    from batchfit.cache.keys import _own_source
+
+    before = _own_source.__wrapped__()
+    read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: read(p) + (b"#" if p.name == "tracer.py" else b""))
+    assert _own_source.__wrapped__() != before

@@ -117,3 +117,43 @@ def test_workers_default_to_the_environment_then_the_cores(monkeypatch: pytest.M
     monkeypatch.delenv("BATCHFIT_WORKERS")
     assert plan_parallel.resolve_workers(None) >= 1
     assert plan_parallel.resolve_workers(2) == 2
+
+
+class _BlockedStream:
+    """A stream whose lock another thread holds for ever (as a display thread's may be at a fork)."""
+
+    def write(self, text: str) -> int:
+        import threading
+
+        threading.Event().wait()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fitting ahead forks")
+def test_a_child_writes_nothing_to_the_parents_output(
+    serial: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library warning in a child never touches the parent's streams: the children finish their
+    configurations (each notes its process in a file) instead of waiting on a held stream lock."""
+    import sys
+    import warnings
+
+    from batchfit.planning import parallel
+
+    done = tmp_path / "fitted-by"
+
+    def warn() -> None:
+        warnings.warn("a library's warning, shown once", UserWarning, stacklevel=1)
+        print("a library's message", file=sys.stderr)
+        with open(done, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+    _in_children_only(monkeypatch, warn)
+    monkeypatch.setattr(parallel, "MIN_WAIT_S", 3.0)  # a blocked child is stopped soon (it would wait for ever)
+    monkeypatch.setattr(sys, "stderr", _BlockedStream())
+    plan, traced, _ = _plan(tmp_path / "cache", monkeypatch, workers=2)
+    assert (plan, traced) == serial[:2]
+    assert done.exists() and done.read_text().split()

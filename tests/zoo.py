@@ -152,15 +152,15 @@ HF_ENTRIES = [
 class TorchTransformer(nn.Module):
     """``nn.TransformerEncoder`` (or a decoder over a memory) classifier over token ids."""
 
-    def __init__(self, decoder: bool = False, norm_first: bool = False) -> None:
+    def __init__(self, decoder: bool = False, norm_first: bool = False, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(V, 32)
         if decoder:
             layer = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
-            self.body: nn.Module = nn.TransformerDecoder(layer, 2)
+            self.body: nn.Module = nn.TransformerDecoder(layer, layers)
         else:
             layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
-            self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.decoder = decoder
         self.head = nn.Linear(32, 5)
 
@@ -346,9 +346,10 @@ def torch_workload(model: Callable[[], nn.Module], batch: Callable[[int], Any], 
 
 
 TORCH_ENTRIES = [
-    Entry("torch-encoder", "torch", partial(torch_workload, TorchTransformer, _ids)),
-    Entry("torch-encoder-prenorm", "torch", partial(torch_workload, partial(TorchTransformer, norm_first=True), _ids)),
-    Entry("torch-decoder", "torch", partial(torch_workload, partial(TorchTransformer, decoder=True), _ids)),
+    Entry("torch-encoder", "torch", partial(torch_workload, partial(TorchTransformer, layers=2), _ids)),
+    Entry("torch-encoder-prenorm", "torch", partial(torch_workload, partial(TorchTransformer, norm_first=True,
+                                                                             layers=2), _ids)),  # fmt: skip
+    Entry("torch-decoder", "torch", partial(torch_workload, partial(TorchTransformer, decoder=True, layers=2), _ids)),
     Entry("lstm-bi", "torch", partial(torch_workload, partial(Recurrent, "LSTM", True), _seq)),
     Entry("gru", "torch", partial(torch_workload, partial(Recurrent, "GRU", False), _seq)),
     Entry("rnn-tanh-bi", "torch", partial(torch_workload, partial(Recurrent, "RNN", True), _seq)),
@@ -410,3 +411,18 @@ PEFT_ENTRIES = [
 
 ZOO: list[Entry] = HF_ENTRIES + TORCH_ENTRIES + PEFT_ENTRIES
 BY_NAME = {e.name: e for e in ZOO}
+
+LAYER_FIELDS = frozenset({"num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
+                          "layers"})  # fmt: skip
+"""The arguments by which the zoo's factories set a number of layers."""
+
+
+def deeper(make: Any, layers: int) -> Any:
+    """``make`` (an entry's factory, or anything inside it) with every number of layers it sets (a config
+    field, a ``layers=`` argument, in nested ``functools.partial``s and config dicts) at ``layers``."""
+    if isinstance(make, partial):
+        keywords = {k: layers if k in LAYER_FIELDS else deeper(v, layers) for k, v in make.keywords.items()}
+        return partial(deeper(make.func, layers), *(deeper(a, layers) for a in make.args), **keywords)
+    if isinstance(make, dict):
+        return {k: layers if k in LAYER_FIELDS else deeper(v, layers) for k, v in make.items()}
+    return make

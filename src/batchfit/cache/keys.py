@@ -35,8 +35,9 @@ from typing import Any
 # and the values their closures, ``functools.partial`` arguments and the module-level names they read
 # hold: a width set from argv or in a notebook cell is a new key when it changes), the batch size, the
 # precision, the checkpointed classes, the accumulation count, the zero-grad mode, the device's kernel
-# model (cuBLAS workspaces, CPU thread count and machine for CPU kernels), and the versions of batchfit,
-# torch and transformers. All of it goes into the key; anything that cannot be described (an object
+# model (cuBLAS workspaces, CPU thread count and machine for CPU kernels), whether deep models are
+# traced cut and written at full depth (``memory/depth.py``), and the versions of batchfit, torch and
+# transformers. All of it goes into the key; anything that cannot be described (an object
 # with no stable description) makes the workload uncacheable rather than risk a stale answer.
 
 _FORMAT = 4
@@ -301,11 +302,14 @@ def _own_source() -> str:
 
 
 def _library_versions() -> tuple[str, ...]:
+    """The versions of what traces are made with, and the settings of how (depth synthesis on or off)."""
     import torch
 
     from .. import __version__
+    from ..memory.stacks import synthesis_enabled
 
-    versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version()]
+    versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version(),
+                f"depth synthesis {'on' if synthesis_enabled() else 'off'}"]  # fmt: skip
     for name in ("transformers", "peft", "bitsandbytes", "torchao"):
         module = sys.modules.get(name)
         versions.append(f"{name} {getattr(module, '__version__', '-')}")

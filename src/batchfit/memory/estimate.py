@@ -346,30 +346,35 @@ def _cache_key(workload: Any, batch_size: int, device: Device, policy: Any, clas
 def _trace_for_device(
     workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace:
+    from .depth import trace_deep
     from .trace import trace_workload
 
-    if device.exact:
-        from .probe import CpuScratchProbe
+    def trace(depth: Any) -> MemoryTrace:
+        if device.exact:
+            from .probe import CpuScratchProbe
 
-        kernels: Any = CpuScratchProbe()
-        emulation = None
-    else:
-        from .cuda import CudaKernels, cuda_emulation
+            kernels: Any = CpuScratchProbe()
+            emulation = None
+        else:
+            from .cuda import CudaKernels, cuda_emulation
 
-        kernels = CudaKernels(device)
-        emulation = cuda_emulation(policy, device.compute_capability)
-    return trace_workload(
-        workload,
-        batch_size,
-        param_dtype=policy.param_dtype,
-        autocast=policy.autocast("cpu"),
-        checkpoint_classes=classes,
-        kernels=kernels,
-        emulation=emulation,
-        foreach_optimizer=not device.exact,
-        host_memory_counts=device.exact,
-        unified_memory=not device.exact,
-    )
+            kernels = CudaKernels(device)
+            emulation = cuda_emulation(policy, device.compute_capability)
+        return trace_workload(
+            workload,
+            batch_size,
+            param_dtype=policy.param_dtype,
+            autocast=policy.autocast("cpu"),
+            checkpoint_classes=classes,
+            kernels=kernels,
+            emulation=emulation,
+            foreach_optimizer=not device.exact,
+            host_memory_counts=device.exact,
+            unified_memory=not device.exact,
+            depth=depth,
+        )
+
+    return trace_deep(trace)
 
 
 def finish_estimate(

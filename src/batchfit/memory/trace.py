@@ -62,6 +62,7 @@ def trace_workload(
     host_memory_counts: bool = True,
     steps: int = 2,
     unified_memory: bool = False,
+    depth: Any = None,
 ) -> MemoryTrace:
     """Trace ``steps`` training steps of ``workload`` at ``batch_size`` on fake CPU tensors.
 
@@ -78,18 +79,24 @@ def trace_workload(
             scratch than the multi-tensor kernels a GPU runs.
         unified_memory: the device has CUDA unified memory: the states a paged optimizer would put
             there are recorded in ``MemoryTrace.paged`` (``memory/paged.py``).
+        depth: a ``memory.depth.DepthCut``: the built model's stacks are cut to a few blocks and the
+            trace's events labelled by block, for ``memory.depth.trace_deep`` to write the full depth.
     """
     from ..checkpointing import apply_checkpointing
-    from .construct import build_fake_model, fake_session, materialize_lazy
+    from .construct import fake_session, materialize_lazy
     from .steps import prefer_foreach
 
+    if depth is not None:
+        depth.prepare(workload, param_dtype)
     with fake_session() as values:
         with default_dtype(param_dtype):
-            model, notes = build_fake_model(workload, param_dtype)
+            model, notes = _build(workload, param_dtype, depth)
             apply_checkpointing(model, checkpoint_classes)
             model.train()
             if materialize_lazy(model, workload):
                 notes.append("lazy modules were initialised by one forward pass on a batch of one item")
+        if depth is not None:
+            depth.apply(model)
         optimizer = _make_optimizer(workload, model)
         if foreach_optimizer and prefer_foreach(optimizer):
             notes.append("capturable=True: traced without it (CPU tensors refuse it); its step counters are counted")
@@ -97,7 +104,32 @@ def trace_workload(
             workload, model, optimizer, batch_size, values, notes,
             param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,
             host_memory_counts=host_memory_counts, steps=steps, unified_memory=unified_memory,
+            recorder=getattr(depth, "recorder", None),
         )  # fmt: skip
+
+
+def _build(workload: Workload, param_dtype: torch.dtype | None, depth: Any) -> tuple[nn.Module, list[str]]:
+    """The fake model; with a ``DepthCut`` that planned the cut, built without the blocks it drops (and
+    built again, whole, if that does not go as planned, or if building read values the trace notes:
+    their count is the whole model's)."""
+    from .construct import build_fake_model
+    from .values import active_value_mode
+
+    if depth is None or depth.plan is None:
+        return build_fake_model(workload, param_dtype)
+    values = active_value_mode()
+    before = dict(values.notes) if values is not None else {}
+    try:
+        with depth.building():
+            model, notes = build_fake_model(workload, param_dtype)
+    except Exception:  # noqa: BLE001 - a constructor that reads the blocks it built: built whole below
+        model = None
+    if model is None or not depth.built_as_planned(model) or (values is not None and values.notes != before):
+        depth.plan_failed(workload, param_dtype)
+        if values is not None:
+            values.notes = before
+        return build_fake_model(workload, param_dtype)
+    return model, notes
 
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
@@ -133,6 +165,7 @@ def _trace_steps(
     host_memory_counts: bool,
     steps: int,
     unified_memory: bool = False,
+    recorder: Any = None,
 ) -> MemoryTrace:
     from ..sources.optim import quiet_third_party
     from .compat import counted_rng_states, counted_saved_numbers
@@ -140,7 +173,7 @@ def _trace_steps(
     from .paged import paged_states
     from .steps import run_workload_steps
 
-    tracer = Tracer(model, optimizer, kernels)
+    tracer = Tracer(model, optimizer, kernels, recorder)
     values.where = tracer.current_module
     emulate = emulation() if emulation is not None else contextlib.nullcontext()
     # Checkpointing's saved RNG states are CPU tensors: device memory when the device is the CPU, host

@@ -97,6 +97,8 @@ class Tracer:
         optimizer: the (fake) optimizer whose state tensors are optimizer states.
         kernels: a kernel model; its ``after_op(tracer, func, args, kwargs, new_output_sids)`` runs
             after each op and may call ``tracer.add_scratch`` for memory the kernel allocates inside.
+        recorder: told where each event happened and what each op read (``memory/depth.py``'s
+            ``BlockRecorder``, which finds the repeated blocks in a trace); None records nothing more.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class Tracer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         kernels: Any = None,
+        recorder: Any = None,
     ) -> None:
         self.trace = MemoryTrace()
         self.model = model
@@ -126,6 +129,7 @@ class Tracer:
         self._param_module: dict[int, str] = {}
         self._watched = getattr(kernels, "watched_ops", None)
         """The ops the kernel model's ``after_op`` acts on (None: all of them)."""
+        self._recorder = recorder
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_error(self, func: Any) -> None:
@@ -187,9 +191,21 @@ class Tracer:
             label = self._phase
         t.op[sid] = label
         self._roles.born(sid, Category.BATCH_DATA if self._phase == "batch" else Category.TEMPORARIES)
+        if self._recorder is not None:
+            self._recorder.event(self)
 
     def _on_free(self, sid: int) -> None:
         self.trace.events.append(~sid)
+        if self._recorder is not None:
+            self._recorder.event(self)
+
+    def current_op(self) -> Any:
+        """The op whose outputs or scratch are being recorded (None between ops)."""
+        return self._tracker.current_func
+
+    def forward_modules(self) -> list[str]:
+        """The modules whose forward is running, outermost first (a checkpointed block's recomputation too)."""
+        return self._module_stack
 
     def _after_op(self, func: Any, args: tuple, kwargs: dict, outputs: list, first_new: int) -> None:
         flops = op_flops(func, args, kwargs, self._tracker.current_out)
@@ -203,6 +219,8 @@ class Tracer:
                 sid = self._tracker.storage_id(t)
                 new_sids.append(sid if sid is not None and sid >= first_new else None)
             self._kernels.after_op(self, func, args, kwargs, new_sids)
+        if self._recorder is not None:
+            self._recorder.after_op(self, func, args, outputs, first_new, flops)
 
     def add_scratch(self, nbytes: int, label: str, *, transient: bool) -> int:
         """Record memory a kernel allocates internally (freed at once when ``transient``)."""
@@ -213,8 +231,12 @@ class Tracer:
         t.module[sid] = self._current_module()
         t.op[sid] = label
         self._roles.born(sid, Category.TEMPORARIES)
+        if self._recorder is not None:
+            self._recorder.event(self)
         if transient:
             t.events.append(~sid)
+            if self._recorder is not None:
+                self._recorder.event(self)
         return sid
 
     def free_scratch(self, sids: Any) -> None:
@@ -226,6 +248,11 @@ class Tracer:
     def phase(self) -> str:
         """The phase of the step being traced."""
         return self._phase
+
+    @property
+    def step(self) -> int:
+        """The step being traced (0: the first)."""
+        return self._step
 
     def _scratch_id(self) -> int:
         # Scratch storages get ids far above any real storage's so the two never collide.
@@ -287,6 +314,8 @@ class Tracer:
     def _own(self, sid: int | None, p: torch.Tensor) -> None:
         if sid is not None:
             self.trace.module[sid] = self._param_module.get(id(p), OUTSIDE)
+            if self._recorder is not None:
+                self._recorder.own(sid, p)
 
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for p, state in optimizer.state.items():

@@ -7,7 +7,8 @@ forked children take the others in order while the plan's own process fits the f
 whichever no child has started, the last first (``FitAhead``: claims), and a child's results reach
 the plan through the trace cache on disk (one file per entry, replaced atomically), where the plan's
 own call for that configuration then finds them. Nothing else passes between them but the number of steps each child
-traced, added to ``CACHE.misses`` (a child stopped early reports none).
+traced, added to ``CACHE.misses``, and the blocks they traced and stood for, added to depth synthesis'
+``STATS`` (a child stopped early reports none).
 
 Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, and
 more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that keeps
@@ -100,6 +101,7 @@ class FitAhead:
     def spawn(self, fit_one: Any) -> None:
         """Fork one child that claims and fits (``fit_one(config)``) configurations until none is left."""
         from ..cache import CACHE
+        from ..memory.depth import STATS
 
         parent = os.getpid()
         try:
@@ -121,12 +123,15 @@ class FitAhead:
             try:
                 os.close(read)
                 _die_with(parent)
+                _quiet()
                 before = CACHE.misses
+                traced, blocks, traces = STATS.blocks_traced, STATS.blocks_written, STATS.traces_written
                 for i, config in enumerate(self._work):
                     if self._claim(i):
                         fit_one(config)
                         self._mark_done(i)
-                os.write(write, str(CACHE.misses - before).encode())
+                written = (STATS.blocks_traced - traced, STATS.blocks_written - blocks, STATS.traces_written - traces)
+                os.write(write, " ".join(str(n) for n in (CACHE.misses - before, *written)).encode())
                 code = 0
             except BaseException:  # noqa: BLE001 - the plan fits it itself
                 pass
@@ -184,12 +189,16 @@ class FitAhead:
 
     def _reap(self, pid: int, ok: bool) -> None:
         from ..cache import CACHE
+        from ..memory.depth import STATS
 
         read = self._reads.pop(pid)
         with os.fdopen(read, "rb") as f:
-            text = f.read().decode() if ok else ""
-        if text.isdigit():
-            CACHE.misses += int(text)
+            counts = (f.read().decode() if ok else "").split()
+        if len(counts) == 4 and all(c.isdigit() for c in counts):
+            CACHE.misses += int(counts[0])
+            STATS.blocks_traced += int(counts[1])
+            STATS.blocks_written += int(counts[2])
+            STATS.traces_written += int(counts[3])
 
     def _stop(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -242,6 +251,23 @@ def _can_fork() -> bool:
     except OSError:
         return False
     return os.access(root / "traces", os.W_OK)
+
+
+def _quiet() -> None:
+    """The child writes nothing to the parent's output (see the NOTE): its streams are fresh ones on
+    ``/dev/null``, and warnings and log records are dropped. A library's warning written to the
+    inherited ``sys.stderr`` would take that stream's lock, which a thread of the parent (a progress
+    display redrawing on a terminal) may have held at the fork: the child would wait for ever."""
+    import logging
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):  # what C code writes, too
+        with contextlib.suppress(OSError):
+            os.dup2(null, fd)
+    os.close(null)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's for as long as it lives
+    warnings.simplefilter("ignore")
+    logging.disable(logging.CRITICAL)
 
 
 def _die_with(parent: int) -> None:
