@@ -111,7 +111,17 @@ VARIANTS = {
     "llama, checkpointed in bf16": dict(wl=_llama, precision="bf16", checkpointing=True),
     "llama on the CPU": dict(wl=_llama, device=CPU),
     "bart, checkpointed in bf16": dict(wl=lambda: _zoo("bart"), precision="bf16", checkpointing=True),
+    "gpt, paged 32-bit AdamW": dict(wl=lambda: _paged_gpt()),
 }
+
+
+def _paged_gpt() -> Any:
+    """Feed-forward weights of 160 x 640 = 102,400 values: bitsandbytes pages their states on a GPU."""
+    pytest.importorskip("bitsandbytes")
+    from batchfit.sources import optimizer_factory
+
+    wl = presets.get("gpt", n_layer=6, n_embd=160, n_head=4, vocab_size=256, seq_len=16)
+    return dataclasses.replace(wl, optimizer=optimizer_factory("paged_adamw_32bit"))
 
 
 @pytest.mark.skipif(not hf.available(), reason="the zoo's transformers models need transformers")
@@ -123,6 +133,8 @@ def test_the_written_trace_is_the_traced_one_with_checkpointing_autocast_and_on_
     real, written, blocks = _both(wl, classes=classes, **spec)
     assert blocks > 0, written.notes
     assert everything(written) == everything(real)
+    if case == "gpt, paged 32-bit AdamW":
+        assert len(written.paged) >= 2 * 2 * 6  # two states of two feed-forward weights in each of six blocks
 
 
 def test_a_cpu_estimate_written_at_full_depth_is_the_allocators_peak() -> None:

@@ -1,5 +1,5 @@
 """Traces compared as the estimate reads them: storages numbered by birth, each described by its bytes,
-role, module, op and rows; runs of frees as sets; phases, FLOPs, gradient hand-overs and notes."""
+role, module, op, rows and whether it is paged; runs of frees as sets; phases, FLOPs, gradient hand-overs and notes."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def canonical(trace: MemoryTrace) -> tuple[list[int], list[tuple], list[tuple], 
         events.append(number[e])
     events += sorted(frees)
     by_number = sorted(number, key=number.__getitem__)
-    meta = [(trace.nbytes[s], trace.role.get(s), trace.module.get(s), trace.op.get(s), trace.rows.get(s))
-            for s in by_number]  # fmt: skip
+    meta = [(trace.nbytes[s], trace.role.get(s), trace.module.get(s), trace.op.get(s), trace.rows.get(s),
+             s in trace.paged) for s in by_number]  # fmt: skip
     return events, meta, trace.phases, trace.flops
 
 
