@@ -80,13 +80,19 @@ def trace_workload(
     from .construct import build_fake_model, fake_session, materialize_lazy
     from .steps import prefer_foreach
 
-    with fake_session() as values:
+    layout = getattr(workload, "parallel", None)
+    with _one_rank(layout) as mesh, fake_session() as values:
         with default_dtype(param_dtype):
             model, notes = build_fake_model(workload, param_dtype)
             apply_checkpointing(model, checkpoint_classes)
             model.train()
             if materialize_lazy(model, workload):
                 notes.append("lazy modules were initialised by one forward pass on a batch of one item")
+        if mesh is not None:
+            from .parallel import apply_layout_traced
+
+            apply_layout_traced(model, layout, mesh, workload.tp_plan)
+            notes.append(f"one rank of {layout.describe()} ({layout.world_size} GPUs), traced on a fake process group")
         optimizer = _make_optimizer(workload, model)
         if foreach_optimizer and prefer_foreach(optimizer):
             notes.append("capturable=True: traced without it (CPU tensors refuse it); its step counters are counted")
@@ -95,6 +101,15 @@ def trace_workload(
             param_dtype=param_dtype, autocast=autocast, kernels=kernels, emulation=emulation,
             host_memory_counts=host_memory_counts, steps=steps,
         )  # fmt: skip
+
+
+def _one_rank(layout: Any) -> contextlib.AbstractContextManager:
+    """Rank 0 of ``layout``'s fake process group, yielding its mesh (None: a whole step, no group)."""
+    if layout is None or layout.world_size <= 1:
+        return contextlib.nullcontext()
+    from .parallel import fake_world
+
+    return fake_world(layout)
 
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:

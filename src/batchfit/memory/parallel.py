@@ -1,0 +1,431 @@
+"""Tensor, sequence and FSDP2 layouts, applied with PyTorch's own APIs, and one rank of them traced.
+
+A ``ParallelLayout`` (``workload.py``) puts the GPUs on a 2-D ``DeviceMesh``, ``("dp", "tp")``: the
+model's tensor-parallel plan is applied on the ``tp`` dimension with
+``torch.distributed.tensor.parallel.parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``), and FSDP2's ``fully_shard`` shards every numbered block, then the root, on the
+``dp`` dimension. ``apply_layout`` does it; the trainer calls the same function on a real mesh
+(``train/parallel.py``), so what is estimated is what runs.
+
+To estimate one rank, the step runs in this process as that rank of a *fake* process group
+(``torch.testing._internal.distributed.fake_pg``: any world size, no communication) on fake tensors.
+Parameters, gradients and optimizer states are then DTensors whose local shards are what the rank
+holds, and every op DTensor runs on them, the collectives' output buffers included, passes through the
+tracer (NOTE [ Wrapper tensors ] in ``tracker.py``). Nothing is derived: a rank's memory is traced.
+
+NOTE [ DTensor's shape propagation is not the step's memory ]
+To know an op's output layout, DTensor runs the op once more on fake tensors of the *global* shapes
+(``ShardingPropagator._propagate_tensor_meta_non_cached``), in the fake mode it finds active. In a
+real run that mode is its own and allocates nothing; in a trace it would be the tracer's, which would
+count global-shaped tensors no rank ever holds. ``fake_world`` runs that propagation outside the
+tracer's modes (in a fresh fake mode, as on a real rank).
+
+NOTE [ Sequence parallelism, from the blocks ]
+With sequence parallelism the activations between the planned layers of every block are split along
+the sequence (dim 1, batch-first) across the tensor-parallel ranks, as in PyTorch's Llama recipe. It is
+derived from the plan and the model's numbered blocks (``layers.3``, ``h.11``), for any model: the
+first block's input is split, the last block's output gathered again (embeddings, the final norm and
+the head see the whole sequence, so a model that derives positions from its input length still
+does); inside a block, each child that holds planned layers gathers the sequence on entry (its
+row-wise layers reduce-scatter back to it: ``output_layouts=Shard(1)``), each child with parameters and
+no planned layer (a norm) runs on its part of the sequence as ``SequenceParallel``, and a child with
+no parameters (dropout) is left alone. A child holding planned layers but no row-wise one has its
+output split again.
+
+Limitations:
+    Sequence parallelism assumes batch-first activations (sequence on dim 1). Under FSDP2 the trace
+    follows the CPU's program order (no CUDA streams): on a GPU, FSDP2's all-gather and
+    reduce-scatter buffers live on their own streams and can outlive that order by one unit's
+    parameters. A tied weight (an embedding shared with the head) is left out of the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import ConfigError
+from ..workload import ParallelLayout
+
+STYLES = ("colwise", "rowwise", "colwise_gather_output")
+"""The plan's style names batchfit maps to PyTorch's (transformers' names for the same layouts)."""
+HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "num_heads", "num_kv_heads", "n_head", "n_kv_heads")
+"""Attributes naming head counts: a tensor-parallel degree must divide each (every rank keeps whole heads)."""
+NODE_GPUS = 8
+"""GPUs in one node (NVLink domain): tensor parallelism stays inside one (DGX/HGX H100 and A100 nodes)."""
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+def published_plan(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan a transformers model publishes, keyed by module paths of ``model``.
+
+    ``config.base_model_tp_plan`` is relative to the base model (``model.model`` of a causal LM), the
+    class's ``_tp_plan`` (the head: ``lm_head: colwise_gather_output``) to the model itself; entries
+    whose style batchfit does not map (``embedding_rowwise``, ...) are left out (those modules stay
+    whole on every rank).
+    """
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    plan: dict[str, str] = {}
+    for pattern, style in dict(base).items():
+        plan[f"{inner}.{pattern}" if inner else pattern] = style
+    for klass in reversed(type(model).__mro__):
+        plan.update(vars(klass).get("_tp_plan") or {})
+    return {k: v for k, v in plan.items() if isinstance(v, str) and v in STYLES}
+
+
+def _matches(pattern: str, name: str) -> bool:
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The plan (``plan``, else the model's published one) matched to ``model``'s modules: path -> style.
+
+    Raises:
+        ConfigError: no plan, a style not understood, a style on a module it cannot split, or a plan
+            that matches no module.
+    """
+    given = dict(plan) if plan is not None else published_plan(model)
+    if not given:
+        raise ConfigError(
+            f"{type(model).__name__} publishes no tensor-parallel plan; pass Workload(tp_plan={{'layers.*.mlp.up': "
+            "'colwise', 'layers.*.mlp.down': 'rowwise', ...}}) or use FSDP sharding alone"
+        )
+    modules = dict(model.named_modules())
+    tied = _tied_modules(model)
+    resolved: dict[str, Any] = {}
+    for pattern, style in given.items():
+        if not (isinstance(style, ParallelStyle) or (isinstance(style, str) and style in STYLES)):
+            raise ConfigError(
+                f"tensor-parallel plan entry {pattern!r}: {style!r} is not a style batchfit knows; use one of "
+                f"{', '.join(STYLES)} or a torch.distributed.tensor.parallel.ParallelStyle"
+            )
+        for name, module in modules.items():
+            if not _matches(pattern, name) or name in tied:
+                continue
+            if isinstance(style, str) and not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise ConfigError(
+                    f"tensor-parallel plan entry {pattern!r} names {name} ({type(module).__name__}); "
+                    f"'{style}' splits nn.Linear and nn.Embedding layers only"
+                )
+            resolved[name] = style
+    if not resolved:
+        raise ConfigError(
+            f"the tensor-parallel plan ({', '.join(given)}) matches no module of {type(model).__name__}; "
+            "write its keys as module paths (model.named_modules()), '*' for one name"
+        )
+    return resolved
+
+
+def _tied_modules(model: nn.Module) -> set[str]:
+    """Modules whose weight another module shares (a head tied to the embedding): not split."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    return {name for names in owners.values() if len(names) > 1 for name in names}
+
+
+def valid_degrees(model: nn.Module, plan: Mapping[str, Any], candidates: Any = (2, 4, 8)) -> list[int]:
+    """The degrees among ``candidates`` that split every planned layer and every head count evenly."""
+    sizes: list[int] = []
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear) and isinstance(style, str):
+            sizes.append(module.in_features if style == "rowwise" else module.out_features)
+    for count in head_counts(model, plan):
+        sizes.append(count)
+    return [d for d in candidates if all(size % d == 0 for size in sizes)]
+
+
+def head_counts(model: nn.Module, plan: Mapping[str, Any]) -> list[int]:
+    """Head counts of the modules whose children the plan splits (and of a transformers model's config)."""
+    parents = {name.rpartition(".")[0] for name in plan}
+    counts: list[int] = []
+    holders: list[Any] = [model.get_submodule(p) for p in parents if p or p == ""]
+    config = getattr(model, "config", None)
+    if config is not None and any(n.split(".")[-1].endswith(("q_proj", "k_proj", "v_proj")) for n in plan):
+        holders.append(config)
+    for holder in holders:
+        for field in HEAD_FIELDS:
+            value = getattr(holder, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                counts.append(value)
+    return sorted(set(counts))
+
+
+def check_degree(model: nn.Module, plan: Mapping[str, Any], layout: ParallelLayout, gpus_per_node: int = NODE_GPUS) -> None:
+    """One clear line when ``layout``'s tensor-parallel degree cannot split ``model`` or a node.
+
+    Raises:
+        ConfigError: the degree does not divide a head count, a planned layer, or the GPUs of a node.
+    """
+    degree = layout.tensor_parallel
+    if degree <= 1:
+        return
+    candidates = [d for d in range(2, gpus_per_node + 1) if gpus_per_node % d == 0]
+    valid = valid_degrees(model, plan, candidates)
+    if degree in valid:
+        return
+    heads = head_counts(model, plan)
+    what = f"the heads ({', '.join(str(h) for h in heads)})" if heads else "the planned layers"
+    options = ", ".join(str(d) for d in [1, *valid])
+    raise ConfigError(
+        f"tensor parallel degree {degree} does not divide {what} and the {gpus_per_node} GPUs of a node; "
+        f"valid degrees: {options}"
+    )
+
+
+# -- applying it -------------------------------------------------------------------------------------
+def blocks_of(model: nn.Module, names: Any = None) -> list[str]:
+    """Paths of the outermost numbered blocks (``layers.3``) holding parameters (or one of ``names``)."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            holds = any(n == path or n.startswith(path + ".") for n in names) if names is not None else (
+                next(child.parameters(), None) is not None
+            )  # fmt: skip
+            if name.isdigit() and holds:
+                found.append(path)
+            else:
+                visit(path, child)
+
+    visit("", model)
+    return found
+
+
+def parallel_styles(model: nn.Module, plan: Mapping[str, Any], sequence_parallel: bool) -> dict[str, Any]:
+    """PyTorch's styles for ``plan`` (resolved), with sequence parallelism's when asked (NOTE above)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    seq = Shard(1)
+    styles: dict[str, Any] = {}
+    for name, style in plan.items():
+        if style == "colwise":
+            styles[name] = ColwiseParallel()
+        elif style == "colwise_gather_output":
+            styles[name] = ColwiseParallel(output_layouts=Replicate())
+        elif style == "rowwise":
+            styles[name] = RowwiseParallel(output_layouts=seq) if sequence_parallel and _in_block(name, plan) else (
+                RowwiseParallel()
+            )  # fmt: skip
+        else:
+            styles[name] = style
+    if not sequence_parallel:
+        return styles
+    blocks = blocks_of(model, plan)
+    if not blocks:
+        raise ConfigError(
+            "sequence parallelism splits the activations of a model's repeated blocks (a numbered container "
+            "like layers.0, layers.1), and this model's plan names none; use tensor parallelism without it"
+        )
+    styles[blocks[0]] = _SequenceSplitInput()
+    styles[blocks[-1]] = _SequenceGatherOutput()
+    for block in blocks:
+        for child_name, child in model.get_submodule(block).named_children():
+            path = f"{block}.{child_name}"
+            planned = [n for n in plan if n == path or n.startswith(path + ".")]
+            if planned:
+                if path not in plan:
+                    rowwise = any(plan[n] == "rowwise" for n in planned)
+                    styles[path] = _SequenceGatherInput(split_output=not rowwise)
+            elif next(child.parameters(), None) is not None:
+                styles[path] = SequenceParallel(use_local_output=True)
+    return styles
+
+
+def _in_block(name: str, plan: Mapping[str, Any]) -> bool:
+    return any(name.startswith(block + ".") for block in blocks_of_names(plan))
+
+
+def blocks_of_names(plan: Mapping[str, Any]) -> set[str]:
+    """Numbered block paths among ``plan``'s module paths (``model.layers.3`` of ``model.layers.3.mlp.up``)."""
+    blocks = set()
+    for name in plan:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                blocks.add(".".join(parts[: i + 1]))
+                break
+    return blocks
+
+
+def apply_layout(model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapping[str, Any] | None) -> nn.Module:
+    """``model`` split as ``layout`` says on ``mesh`` (``("dp", "tp")``), in place; the same for traces and training.
+
+    Tensor parallelism first (``parallelize_module`` on ``mesh["tp"]``), then FSDP2 on ``mesh["dp"]``:
+    one ``fully_shard`` per numbered block, then the root (the order of PyTorch's 2-D recipe).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if layout.tensor_parallel > 1:
+        resolved = resolve_plan(model, plan)
+        check_degree(model, resolved, layout)
+        parallelize_module(model, mesh["tp"], parallel_styles(model, resolved, layout.sequence_parallel))
+    if layout.fsdp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in blocks_of(model):
+            fully_shard(model.get_submodule(block), mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def make_mesh(layout: ParallelLayout, device_type: str) -> Any:
+    """The 2-D mesh ``("dp", "tp")`` of ``layout`` over the default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.fsdp, layout.tensor_parallel), mesh_dim_names=("dp", "tp"))
+
+
+# -- the sequence-parallel boundaries --------------------------------------------------------------
+def _first_tensor(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | None:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return i, a
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return k, v
+    return None
+
+
+def _replace(args: tuple, kwargs: dict, where: str | int, value: Any) -> tuple[tuple, dict]:
+    if isinstance(where, int):
+        return (*args[:where], value, *args[where + 1 :]), kwargs
+    return args, {**kwargs, where: value}
+
+
+def _redistribute(x: torch.Tensor, mesh: Any, source: Any, target: Any, local: bool) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    d = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [source], run_check=False)
+    d = d.redistribute(mesh, [target])
+    return d.to_local() if local else d
+
+
+class _Boundary(ParallelStyle):
+    """A sequence-parallel boundary on a module's first floating-point input or its output."""
+
+    def __init__(self, split_output: bool = False) -> None:
+        self.split_output = split_output
+
+    def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:  # ParallelStyle's hook
+        from torch.distributed.tensor import Replicate, Shard
+
+        seq, whole = Shard(1), Replicate()
+        hook = self._hook(mesh, seq, whole)
+        if hook is not None:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+        if self.split_output or isinstance(self, _SequenceGatherOutput):
+            source, target = (whole, seq) if self.split_output else (seq, whole)
+
+            def after(mod: nn.Module, args: Any, out: Any) -> Any:
+                if isinstance(out, torch.Tensor):
+                    return _redistribute(out, mesh, source, target, local=True)
+                if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                    return (_redistribute(out[0], mesh, source, target, local=True), *out[1:])
+                return out
+
+            module.register_forward_hook(after)
+        return module
+
+    def _hook(self, mesh: Any, seq: Any, whole: Any) -> Any:
+        return None
+
+
+class _SequenceSplitInput(_Boundary):
+    """The first block: its (whole) input becomes this rank's part of the sequence."""
+
+    def _hook(self, mesh: Any, seq: Any, whole: Any) -> Any:
+        def before(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            found = _first_tensor(args, kwargs)
+            if found is None:
+                return None
+            return _replace(args, kwargs, found[0], _redistribute(found[1], mesh, whole, seq, local=True))
+
+        return before
+
+
+class _SequenceGatherInput(_Boundary):
+    """A child holding planned layers: the whole sequence on entry, as a replicated DTensor (its
+    column-wise layers' input gradients are then reduce-scattered back to the sequence parts)."""
+
+    def _hook(self, mesh: Any, seq: Any, whole: Any) -> Any:
+        keep_local = self.split_output  # no planned layer to hand a DTensor to (NOTE above)
+
+        def before(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            found = _first_tensor(args, kwargs)
+            if found is None:
+                return None
+            return _replace(args, kwargs, found[0], _redistribute(found[1], mesh, seq, whole, local=keep_local))
+
+        return before
+
+
+class _SequenceGatherOutput(_Boundary):
+    """The last block: its output is gathered to the whole sequence again."""
+
+
+# -- one rank, traced --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(layout: ParallelLayout, rank: int = 0) -> Iterator[Any]:
+    """This process as ``rank`` of a fake process group of ``layout.world_size`` ranks; yields its mesh.
+
+    Raises:
+        ConfigError: a process group already exists (inside torchrun): a rank cannot be traced there.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ConfigError("this torch has no torch.distributed; tensor parallelism cannot be traced with it")
+    if dist.is_initialized():
+        raise ConfigError(
+            "a parallel layout is traced as one rank of a fake process group, which cannot be made inside a "
+            "running process group (torchrun); plan before launching, or pass the micro-batch size"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+    try:
+        with _untracked_shape_propagation():
+            yield make_mesh(layout, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _untracked_shape_propagation() -> Iterator[None]:
+    """DTensor's global-shape propagation outside the tracer (NOTE [ DTensor's shape propagation ... ])."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def apply_layout_traced(model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapping[str, Any] | None) -> None:
+    """``apply_layout`` on a fake model: outside the tracing modes, as a real rank builds its layout once
+    before training (the mesh's bookkeeping is small real tensors; the parameters stay fake)."""
+    with _disable_current_modes():
+        apply_layout(model, layout, mesh, plan)
