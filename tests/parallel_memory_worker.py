@@ -22,6 +22,7 @@ Arguments: OUT CONFIG_DIR SEQ_LEN BATCH_SIZE LAYOUT...
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import sys
@@ -92,7 +93,7 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def measure(config_dir: str, seq_len: int, batch_size: int, layout: ParallelLayout) -> dict[str, int]:
-    wl = load(config_dir, seq_len=seq_len)
+    wl = dataclasses.replace(load(config_dir, seq_len=seq_len), parallel=layout)
     torch.manual_seed(0)
     model = wl.build_model()
     model.train()

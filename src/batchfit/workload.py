@@ -44,6 +44,10 @@ class ParallelLayout:
     sequence across the tensor-parallel GPUs instead of repeated on each."""
     fsdp: int = 1
     """Tensor-parallel groups that FSDP2 shards parameters, gradients and optimizer states across."""
+    loss_parallel: bool = True
+    """A head planned ``loss_parallel`` (a causal LM's ``lm_head``) keeps its logits split over the
+    vocabulary and the loss is computed under ``torch.distributed.tensor.parallel.loss_parallel``
+    (PyTorch's recipe); False gathers the whole logits on every rank first."""
 
     @property
     def world_size(self) -> int:

@@ -54,8 +54,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import ConfigError
 from ..workload import ParallelLayout
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output")
-"""The plan's style names batchfit maps to PyTorch's (transformers' names for the same layouts)."""
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "loss_parallel")
+"""The plan's style names batchfit maps to PyTorch's: transformers' names, and ``loss_parallel`` for a
+head whose logits go straight into a cross-entropy loss (NOTE [ The head under loss parallelism ])."""
 HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "num_heads", "num_kv_heads", "n_head", "n_kv_heads")
 """Attributes naming head counts: a tensor-parallel degree must divide each (every rank keeps whole heads)."""
 NODE_GPUS = 8
@@ -78,8 +79,10 @@ def published_plan(model: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for pattern, style in dict(base).items():
         plan[f"{inner}.{pattern}" if inner else pattern] = style
+    causal_lm = type(model).__name__.endswith("ForCausalLM")  # its head's logits feed its cross-entropy
     for klass in reversed(type(model).__mro__):
-        plan.update(vars(klass).get("_tp_plan") or {})
+        for name, style in (vars(klass).get("_tp_plan") or {}).items():
+            plan[name] = "loss_parallel" if causal_lm and style == "colwise_gather_output" else style
     return {k: v for k, v in plan.items() if isinstance(v, str) and v in STYLES}
 
 
@@ -206,26 +209,67 @@ def blocks_of(model: nn.Module, names: Any = None) -> list[str]:
     return found
 
 
-def parallel_styles(model: nn.Module, plan: Mapping[str, Any], sequence_parallel: bool) -> dict[str, Any]:
+# NOTE [ The head under loss parallelism ]
+# A causal LM's head makes batch x sequence x vocabulary logits, which its loss upcasts to fp32: at 32k
+# tokens and a 128k vocabulary that is 17 GB per copy, several copies at once. transformers publishes
+# the head as ``colwise_gather_output`` (every rank gathers the whole logits); PyTorch's recipe keeps
+# them split over the vocabulary (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``)
+# and computes the cross-entropy on the split logits under ``loss_parallel()``, forward and backward
+# (``torch/distributed/tensor/parallel/loss.py``). The loss is the same number; each rank holds 1/TP of
+# the logits. ``ParallelLayout.loss_parallel=False`` gathers them instead.
+def parallel_styles(
+    model: nn.Module, plan: Mapping[str, Any], sequence_parallel: bool, loss_parallel: bool = True
+) -> dict[str, Any]:
     """PyTorch's styles for ``plan`` (resolved), with sequence parallelism's when asked (NOTE above)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     seq = Shard(1)
     styles: dict[str, Any] = {}
     for name, style in plan.items():
         if style == "colwise":
             styles[name] = ColwiseParallel()
-        elif style == "colwise_gather_output":
+        elif style == "colwise_gather_output" or (style == "loss_parallel" and not loss_parallel):
             styles[name] = ColwiseParallel(output_layouts=Replicate())
+        elif style == "loss_parallel":
+            styles[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         elif style == "rowwise":
             styles[name] = RowwiseParallel(output_layouts=seq) if sequence_parallel and _in_block(name, plan) else (
                 RowwiseParallel()
             )  # fmt: skip
         else:
             styles[name] = style
-    if not sequence_parallel:
-        return styles
+    if sequence_parallel:
+        _add_sequence_styles(model, plan, styles)
+    _replicate_the_rest(model, styles)
+    return styles
+
+
+def _replicate_the_rest(model: nn.Module, styles: dict[str, Any]) -> None:
+    """Every module owning parameters no style splits gets ``_Replicated`` (NOTE [ Every parameter a
+    DTensor ]); one that also holds split modules cannot, and says so."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    splitting = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    owners = [name for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    split = [n for n, style in styles.items() if isinstance(style, splitting) or not isinstance(style, _Boundary)]
+    ties: dict[int, Any] = {}
+    for name in owners:
+        if name in split:
+            continue
+        inside = [n for n in split if name == "" or n.startswith(name + ".")]
+        if inside or name in styles:
+            raise ConfigError(
+                f"{name or type(model).__name__} holds parameters of its own and the planned layer {inside[0] if inside else name}; "
+                "tensor parallelism needs a module's own parameters in a child module the plan can replicate"
+            )
+        styles[name] = _Replicated(ties)
+
+
+def _add_sequence_styles(model: nn.Module, plan: Mapping[str, Any], styles: dict[str, Any]) -> None:
+    """The sequence-parallel styles of NOTE [ Sequence parallelism, from the blocks ]."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     blocks = blocks_of(model, plan)
     if not blocks:
         raise ConfigError(
@@ -244,7 +288,6 @@ def parallel_styles(model: nn.Module, plan: Mapping[str, Any], sequence_parallel
                     styles[path] = _SequenceGatherInput(split_output=not rowwise)
             elif next(child.parameters(), None) is not None:
                 styles[path] = SequenceParallel(use_local_output=True)
-    return styles
 
 
 def _in_block(name: str, plan: Mapping[str, Any]) -> bool:
@@ -274,7 +317,8 @@ def apply_layout(model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapp
     if layout.tensor_parallel > 1:
         resolved = resolve_plan(model, plan)
         check_degree(model, resolved, layout)
-        parallelize_module(model, mesh["tp"], parallel_styles(model, resolved, layout.sequence_parallel))
+        styles = parallel_styles(model, resolved, layout.sequence_parallel, layout.loss_parallel)
+        parallelize_module(model, mesh["tp"], styles)
     if layout.fsdp > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -282,6 +326,22 @@ def apply_layout(model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapp
             fully_shard(model.get_submodule(block), mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return model
+
+
+def splits_the_loss(model: nn.Module, layout: ParallelLayout, plan: Mapping[str, Any] | None) -> bool:
+    """Whether ``layout`` computes ``model``'s loss on vocabulary-split logits (a ``loss_parallel`` head)."""
+    if layout.tensor_parallel <= 1 or not layout.loss_parallel:
+        return False
+    return "loss_parallel" in resolve_plan(model, plan).values()
+
+
+def loss_context(split: bool) -> contextlib.AbstractContextManager:
+    """What a step's forward and backward run in: ``loss_parallel()`` when the loss is split, else nothing."""
+    if not split:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def make_mesh(layout: ParallelLayout, device_type: str) -> Any:
@@ -377,6 +437,42 @@ class _SequenceGatherInput(_Boundary):
 
 class _SequenceGatherOutput(_Boundary):
     """The last block: its output is gathered to the whole sequence again."""
+
+
+# NOTE [ Every parameter a DTensor ]
+# The plan splits some layers; the others (embeddings, norms, a head it leaves whole) are the same on
+# every tensor-parallel rank. They are made replicated DTensors, inputs and outputs converted at their
+# boundary, as PyTorch's recipes do for every module they do not split: an optimizer's multi-tensor
+# step (``foreach``, torch's default on GPUs) and gradient clipping refuse a mix of DTensors and plain
+# tensors. Their bytes are unchanged (a DTensor's local tensor is the whole parameter).
+class _Replicated(ParallelStyle):
+    """A module the plan leaves whole: its parameters replicated DTensors, its inputs and outputs plain."""
+
+    def __init__(self, ties: dict[int, Any]) -> None:
+        self.ties = ties  # id(parameter) -> its replicated parameter, shared by every owner (tied weights)
+
+    def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+        old = dict(module.named_parameters(recurse=False))
+        for key, p in old.items():
+            if id(p) in self.ties:
+                module.register_parameter(key, self.ties[id(p)])
+
+        def to_dtensors(mod: nn.Module, inputs: Any, mesh: Any) -> Any:
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                for x in inputs
+            )  # fmt: skip
+
+        def to_local(mod: nn.Module, out: Any, mesh: Any) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        distribute_module(module, mesh, input_fn=to_dtensors, output_fn=to_local)
+        for key, p in old.items():
+            self.ties.setdefault(id(p), module.get_parameter(key))
+        return module
 
 
 # -- one rank, traced --------------------------------------------------------------------------------
