@@ -102,10 +102,11 @@ def measure(config_dir: str, seq_len: int, batch_size: int, layout: ParallelLayo
     gc.collect()
     out = {"parameters": local_bytes(model_tensors(model))}
     grads: list[int] = []
+    params = list(model.parameters())
 
     def grad_bytes(phase: str, step: int) -> None:
         if phase == "optimizer":  # the step's gradients, all there
-            grads.append(local_bytes(p.grad for p in model.parameters() if p.grad is not None))
+            grads.append(local_bytes(p.grad for p in params if p.grad is not None))
 
     start = out["parameters"] + local_bytes(optimizer_tensors(optimizer))
     with cpu_memory_profile() as prof:
@@ -115,13 +116,14 @@ def measure(config_dir: str, seq_len: int, batch_size: int, layout: ParallelLayo
     out["optimizer_states"] = local_bytes(
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
     )
-    del model, optimizer
+    del model, optimizer, params
     gc.collect()
     return out
 
 
 def main() -> None:
-    out, config_dir, seq_len, batch_size, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+    out, config_dir, names = sys.argv[1], sys.argv[2], sys.argv[5:]
+    seq_len, batch_size = int(sys.argv[3]), int(sys.argv[4])
     place = init_distributed("cpu")
     settle_collectives()
     report: dict[str, Any] = {}

@@ -36,8 +36,9 @@ from typing import Any
 # hold: a width set from argv or in a notebook cell is a new key when it changes), the batch size, the
 # precision, the checkpointed classes, the accumulation count, the zero-grad mode, the parallel layout
 # and its tensor-parallel plan, the device's kernel model (cuBLAS workspaces, CPU thread count and
-# machine for CPU kernels), and the versions of batchfit, torch and transformers. All of it goes into the key; anything that cannot be described (an object
-# with no stable description) makes the workload uncacheable rather than risk a stale answer.
+# machine for CPU kernels), and the versions of batchfit, torch and transformers. All of it goes into
+# the key; anything that cannot be described (an object with no stable description) makes the
+# workload uncacheable rather than risk a stale answer.
 
 _FORMAT = 3
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""

@@ -167,7 +167,9 @@ def head_counts(model: nn.Module, plan: Mapping[str, Any]) -> list[int]:
     return sorted(set(counts))
 
 
-def check_degree(model: nn.Module, plan: Mapping[str, Any], layout: ParallelLayout, gpus_per_node: int = NODE_GPUS) -> None:
+def check_degree(
+    model: nn.Module, plan: Mapping[str, Any], layout: ParallelLayout, gpus_per_node: int = NODE_GPUS
+) -> None:
     """One clear line when ``layout``'s tensor-parallel degree cannot split ``model`` or a node.
 
     Raises:
@@ -259,9 +261,10 @@ def _replicate_the_rest(model: nn.Module, styles: dict[str, Any]) -> None:
             continue
         inside = [n for n in split if name == "" or n.startswith(name + ".")]
         if inside or name in styles:
+            owner, planned = name or type(model).__name__, inside[0] if inside else name
             raise ConfigError(
-                f"{name or type(model).__name__} holds parameters of its own and the planned layer {inside[0] if inside else name}; "
-                "tensor parallelism needs a module's own parameters in a child module the plan can replicate"
+                f"{owner} holds parameters of its own and the planned layer {planned}; tensor parallelism "
+                "needs a module's own parameters in a child module the plan can replicate"
             )
         styles[name] = _Replicated(ties)
 
