@@ -116,7 +116,8 @@ def measure(config_dir: str, seq_len: int, batch_size: int, layout: ParallelLayo
     out["optimizer_states"] = local_bytes(
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
     )
-    del model, optimizer, params
+    params.clear()
+    del model, optimizer
     gc.collect()
     return out
 
