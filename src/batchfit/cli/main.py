@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,6 +25,7 @@ from .options import (
     CudnnBenchmarkOpt,
     DeviceOpt,
     FusedLossOpt,
+    GpusPerNodeOpt,
     HfArgsOpt,
     InterconnectName,
     InterconnectOpt,
@@ -38,8 +39,10 @@ from .options import (
     PresetArg,
     ProfileOpt,
     SeqLenOpt,
+    SequenceParallelOpt,
     SetOpt,
     TaskOpt,
+    TensorParallelOpt,
 )
 from .report import report
 from .train import train
@@ -230,6 +233,9 @@ def plan_command(
     base_batch_size: BaseBatchSizeOpt = None,
     lr_rule: LrRuleOpt = LrRule.auto,
     interconnect: InterconnectOpt = InterconnectName.nvlink,
+    tp: TensorParallelOpt = None,
+    sp: SequenceParallelOpt = None,
+    gpus_per_node: GpusPerNodeOpt = 8,
     workers: Annotated[
         int | None,
         typer.Option("--workers", help="Processes fitting configurations at once (default: the cores; 1: one by one)."),
@@ -270,6 +276,7 @@ def plan_command(
             interconnect=interconnect.value,
             progress=show,
             workers=workers,
+            **_parallel_kwargs(tp, sp, gpus_per_node),
         )
     if as_json:
         opts.emit_json(result.to_dict())
@@ -277,6 +284,15 @@ def plan_command(
     from ..report.tables import plan_table
 
     opts.console().print(plan_table(result))
+
+
+def _parallel_kwargs(tp: int | None, sp: bool | None, gpus_per_node: int) -> dict[str, Any]:
+    """``plan``'s tensor-parallel arguments, passed only when given (the HF planner takes none)."""
+    given = {"tensor_parallel": tp, "sequence_parallel": sp}
+    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if kwargs or gpus_per_node != 8:
+        kwargs["gpus_per_node"] = gpus_per_node
+    return kwargs
 
 
 @app.command(name="sweep")

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ConfigError
+from ..gpu.catalog import GPUS_PER_NODE
 from ..workload import ParallelLayout
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "loss_parallel")
@@ -59,8 +61,6 @@ STYLES = ("colwise", "rowwise", "colwise_gather_output", "loss_parallel")
 head whose logits go straight into a cross-entropy loss (NOTE [ The head under loss parallelism ])."""
 HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "num_heads", "num_kv_heads", "n_head", "n_kv_heads")
 """Attributes naming head counts: a tensor-parallel degree must divide each (every rank keeps whole heads)."""
-NODE_GPUS = 8
-"""GPUs in one node (NVLink domain): tensor parallelism stays inside one (DGX/HGX H100 and A100 nodes)."""
 
 
 # -- the plan ----------------------------------------------------------------------------------------
@@ -167,28 +167,61 @@ def head_counts(model: nn.Module, plan: Mapping[str, Any]) -> list[int]:
     return sorted(set(counts))
 
 
-def check_degree(
-    model: nn.Module, plan: Mapping[str, Any], layout: ParallelLayout, gpus_per_node: int = NODE_GPUS
-) -> None:
-    """One clear line when ``layout``'s tensor-parallel degree cannot split ``model`` or a node.
+@dataclass(frozen=True)
+class SplitFacts:
+    """What a model's tensor-parallel plan allows, read off the model once (the plan asks before tracing)."""
+
+    error: str | None
+    """Why the model cannot be split (no plan, a plan that does not fit it); None when it can."""
+    degrees: tuple[int, ...] = ()
+    """Degrees up to 64 that split every planned layer and every head count evenly."""
+    heads: tuple[int, ...] = ()
+    """The head counts that constrain the degree."""
+
+
+def split_facts(model: nn.Module, plan: Mapping[str, Any] | None) -> SplitFacts:
+    """``SplitFacts`` of ``model`` under ``plan`` (None: its published plan)."""
+    try:
+        resolved = resolve_plan(model, plan)
+    except ConfigError as e:
+        return SplitFacts(str(e))
+    degrees = tuple(valid_degrees(model, resolved, range(2, 65)))
+    return SplitFacts(None, degrees, tuple(head_counts(model, resolved)))
+
+
+def degree_error(degree: int, facts: SplitFacts, gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> str | None:
+    """One line when ``degree`` cannot split the model, a node of ``gpus_per_node`` or ``gpus``; else None.
+
+    The line names the valid degrees: those that split the model and divide both.
+    """
+    if degree <= 1:
+        return None
+    if facts.error is not None:
+        return facts.error
+    valid = [d for d in facts.degrees if gpus_per_node % d == 0 and gpus % d == 0]
+    if degree in valid:
+        return None
+    what = f"the heads ({', '.join(str(h) for h in facts.heads)})" if facts.heads else "the planned layers"
+    fails = [what] if degree not in facts.degrees else []
+    if gpus_per_node % degree:
+        fails.append(f"the {gpus_per_node} GPUs of a node")
+    if gpus % degree:
+        fails.append(f"the {gpus} GPUs")
+    listed = fails[0] if len(fails) == 1 else f"{', '.join(fails[:-1])} or {fails[-1]}"
+    options = ", ".join(str(d) for d in [1, *valid])
+    return f"tensor parallel degree {degree} does not divide {listed}; valid degrees: {options}"
+
+
+def check_degree(model: nn.Module, plan: Mapping[str, Any], layout: ParallelLayout, gpus_per_node: int) -> None:
+    """Raise ``degree_error``'s line for ``layout`` on ``model`` (resolved ``plan``), if any.
 
     Raises:
-        ConfigError: the degree does not divide a head count, a planned layer, or the GPUs of a node.
+        ConfigError: the degree does not divide a head count, a planned layer, a node or the GPUs.
     """
-    degree = layout.tensor_parallel
-    if degree <= 1:
-        return
-    candidates = [d for d in range(2, gpus_per_node + 1) if gpus_per_node % d == 0]
-    valid = valid_degrees(model, plan, candidates)
-    if degree in valid:
-        return
-    heads = head_counts(model, plan)
-    what = f"the heads ({', '.join(str(h) for h in heads)})" if heads else "the planned layers"
-    options = ", ".join(str(d) for d in [1, *valid])
-    raise ConfigError(
-        f"tensor parallel degree {degree} does not divide {what} and the {gpus_per_node} GPUs of a node; "
-        f"valid degrees: {options}"
-    )
+    facts = SplitFacts(None, tuple(valid_degrees(model, plan, range(2, 65))), tuple(head_counts(model, plan)))
+    error = degree_error(layout.tensor_parallel, facts, layout.world_size, gpus_per_node)
+    if error is not None:
+        raise ConfigError(error)
 
 
 # -- applying it -------------------------------------------------------------------------------------
@@ -309,7 +342,10 @@ def blocks_of_names(plan: Mapping[str, Any]) -> set[str]:
     return blocks
 
 
-def apply_layout(model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapping[str, Any] | None) -> nn.Module:
+def apply_layout(
+    model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapping[str, Any] | None,
+    gpus_per_node: int = GPUS_PER_NODE,
+) -> nn.Module:  # fmt: skip
     """``model`` split as ``layout`` says on ``mesh`` (``("dp", "tp")``), in place; the same for traces and training.
 
     Tensor parallelism first (``parallelize_module`` on ``mesh["tp"]``), then FSDP2 on ``mesh["dp"]``:
@@ -319,7 +355,7 @@ def apply_layout(model: nn.Module, layout: ParallelLayout, mesh: Any, plan: Mapp
 
     if layout.tensor_parallel > 1:
         resolved = resolve_plan(model, plan)
-        check_degree(model, resolved, layout)
+        check_degree(model, resolved, layout, gpus_per_node)
         styles = parallel_styles(model, resolved, layout.sequence_parallel, layout.loss_parallel)
         parallelize_module(model, mesh["tp"], styles)
     if layout.fsdp > 1:
