@@ -81,3 +81,35 @@ def test_a_degree_that_does_not_divide_the_processes_is_one_line() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel must be a whole number"):
         Trainer(model, torch.optim.SGD(model.parameters()), lambda m, b: m(b).sum(), global_batch_size=4,
                 micro_batch_size=2, tensor_parallel=0)  # fmt: skip
+
+
+GPT = ["train", "gpt", "--set", "n_layer=2", "--set", "n_embd=16", "--set", "n_head=2", "--set", "vocab_size=32",
+       "--set", "seq_len=8", "--global-batch-size", "6", "--micro-batch-size", "2", "--steps", "2",
+       "--dtype", "float64", "--json"]  # fmt: skip
+
+
+def _cli(prefix: list[str], *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *prefix, "-m", "batchfit", *GPT, *args], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+
+
+def test_batchfit_train_tp_splits_the_gpt_presets_feed_forward_as_one_process_trains(tmp_path: Path) -> None:
+    one = _cli([], "--save", str(tmp_path / "one.pt"))
+    two = _cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], "--tp", "2", "--sp",
+               "--save", str(tmp_path / "two.pt"))  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    assert (b["tensor_parallel"], b["sequence_parallel"]) == (2, True)
+    assert [r["loss"] for r in a["steps"]] == pytest.approx([r["loss"] for r in b["steps"]], rel=1e-12)
+    whole, split = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert sorted(whole) == sorted(split)
+    assert max((whole[k] - split[k]).abs().max().item() for k in whole) < 1e-12
+
+
+def test_batchfit_train_tp_on_one_process_is_one_line() -> None:
+    run = _cli([], "--tp", "2")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "batchfit: error: tensor parallel degree 2 does not divide the 1 processes; valid degrees: 1"
+    )

@@ -27,10 +27,10 @@ derived from the plan and the model's numbered blocks (``layers.3``, ``h.11``), 
 first block's input is split, the last block's output gathered again (embeddings, the final norm and
 the head see the whole sequence, so a model that derives positions from its input length still
 does); inside a block, each child that holds planned layers gathers the sequence on entry (its
-row-wise layers reduce-scatter back to it: ``output_layouts=Shard(1)``), each child with parameters and
-no planned layer (a norm) runs on its part of the sequence as ``SequenceParallel``, and a child with
-no parameters (dropout) is left alone. A child holding planned layers but no row-wise one has its
-output split again.
+row-wise layers reduce-scatter back to it: ``output_layouts=Shard(1)``), each child whose parameters
+are all vectors (a norm) runs on its part of the sequence as ``SequenceParallel``, and a child with no
+parameters (dropout) is left alone. A child holding planned layers but no row-wise one, or other
+parameters (an attention the plan leaves whole), gathers the sequence and has its output split again.
 
 Limitations:
     Sequence parallelism assumes batch-first activations (sequence on dim 1). Under FSDP2 the trace
@@ -102,7 +102,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, 
     if not given:
         raise ConfigError(
             f"{type(model).__name__} publishes no tensor-parallel plan; pass Workload(tp_plan={{'layers.*.mlp.up': "
-            "'colwise', 'layers.*.mlp.down': 'rowwise', ...}}) or use FSDP sharding alone"
+            "'colwise', 'layers.*.mlp.down': 'rowwise', ...}) or use FSDP sharding alone"
         )
     modules = dict(model.named_modules())
     tied = _tied_modules(model)
@@ -318,12 +318,15 @@ def _add_sequence_styles(model: nn.Module, plan: Mapping[str, Any], styles: dict
         for child_name, child in model.get_submodule(block).named_children():
             path = f"{block}.{child_name}"
             planned = [n for n in plan if n == path or n.startswith(path + ".")]
+            params = list(child.parameters())
             if planned:
                 if path not in plan:
                     rowwise = any(plan[n] == "rowwise" for n in planned)
                     styles[path] = _SequenceGatherInput(split_output=not rowwise)
-            elif next(child.parameters(), None) is not None:
+            elif params and all(p.dim() == 1 for p in params):  # a norm: token by token
                 styles[path] = SequenceParallel(use_local_output=True)
+            elif params:  # whole, on the whole sequence (an attention the plan leaves whole)
+                styles[path] = _SequenceGatherInput(split_output=True)
 
 
 def _in_block(name: str, plan: Mapping[str, Any]) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -83,6 +83,14 @@ class Trainer:
         noise_scale: measure the gradient noise scale (``trainer.noise_scale``, ``StepResult.noise_scale``)
             from the windows' first micro-batches, into this ``GradientNoiseScale`` (True: a new one,
             False: off); steps of one micro-batch per rank measure nothing.
+        tensor_parallel: under torchrun, split the model across groups of this many consecutive ranks
+            (inside a node) by its tensor-parallel plan, FSDP across the groups: the layout
+            ``batchfit.plan`` estimates (``batchfit.train.parallel``). The ranks of a group pass the
+            group's share of each global batch to ``step``. With ``micro_batch_size="auto"`` only on the
+            CPU (a GPU plan is made before launching: ``batchfit plan --tp N``).
+        sequence_parallel: with ``tensor_parallel``, split the blocks' activations along the sequence.
+        tp_plan: the tensor-parallel plan (module paths to styles, as ``Workload.tp_plan``); None: the
+            workload's, else the one the model publishes (transformers' ``base_model_tp_plan``).
         sharded: under torchrun, shard parameters, gradients and optimizer states across the ranks
             with FSDP2 (``fully_shard``; see ``batchfit.train.fsdp``) instead of DDP. A plan made by
             ``micro_batch_size="auto"`` turns it on by itself when only sharding fits. Nothing to do
@@ -124,6 +132,7 @@ class Trainer:
         sharded: bool = False,
         tensor_parallel: int = 1,
         sequence_parallel: bool = False,
+        tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
@@ -193,6 +202,7 @@ class Trainer:
         """Items of each global batch that this rank's ``step`` receives (the same for the ranks of a
         tensor-parallel group: its share)."""
         self._loss_context: Any = contextlib.nullcontext
+        self._tp_plan = tp_plan if tp_plan is not None else getattr(workload, "tp_plan", None)
         self.micro_batch_size: int | None = None if micro_batch_size == "auto" else int(micro_batch_size)
         """The current micro-batch size (None until ``"auto"`` has planned it at the first step)."""
         self.plan: Any = None
@@ -296,7 +306,7 @@ class Trainer:
                 "split tensors across processes; use real GPUs or --device cpu"
             )
         layout = ParallelLayout(self.tensor_parallel, self.sequence_parallel, fsdp=self.data_parallel)
-        plan = self._workload.tp_plan if self._workload is not None else None
+        plan = self._tp_plan
         self.model, mesh = split_model(self.model, self.optimizer, layout, self._where.device, plan)
         self.accumulator.model = self.model
         self.accumulator.use_group(data_parallel_group(mesh), self.data_parallel)
