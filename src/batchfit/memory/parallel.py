@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -538,7 +539,9 @@ def fake_world(layout: ParallelLayout, rank: int = 0) -> Iterator[Any]:
 
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
     try:
-        with _untracked_shape_propagation():
+        with _untracked_shape_propagation(), warnings.catch_warnings():
+            # FSDP2's caution about in-place ops on a unit's returned view addresses training code
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
             yield make_mesh(layout, "cpu")
     finally:
         dist.destroy_process_group()

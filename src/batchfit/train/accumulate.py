@@ -291,7 +291,8 @@ class Accumulator:
             else:
                 totals = self._prepared if self._prepared is not None else self._prepare_totals()
                 # [loss_sum, n_items] over all ranks, then the noise scale's 3 small-batch terms
-                reads["totals"] = totals = all_reduce_sum(totals, self.group)
+                group = () if self.group is None else (self.group,)  # the default group, or the data-parallel one
+                reads["totals"] = totals = all_reduce_sum(totals, *group)
                 if self._form == MEAN:
                     self._check_item_count(int(totals[1].item()))
         measuring = self.noise_scale is not None and (self._small is not None or not local)
