@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +194,26 @@ def test_tensor_parallel_traffic_is_the_traced_collectives(llama: batchfit.Workl
                 seen.add(name)
     assert seen == set(factors)  # sequence parallelism gathers and reduce-scatters; the loss all-reduces
     assert tensor_parallel_bytes(trace, 2) == expected > 0
+
+
+def test_estimate_takes_a_layout_and_the_command_line_names_valid_degrees(
+    llama: batchfit.Workload, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from batchfit.cli import main
+
+    layout = ParallelLayout(tensor_parallel=2, sequence_parallel=True, fsdp=2)
+    est = batchfit.estimate(llama, 4, device="cpu", parallel=layout)
+    same = batchfit.estimate(dataclasses.replace(llama, parallel=layout), 4)
+    assert est.peak_allocated_bytes == same.peak_allocated_bytes < batchfit.estimate(llama, 4).peak_allocated_bytes
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    flags = ["-b", "4", "--seq-len", "16", "--tp", "2", "--sp", "--fsdp", "2", "--json"]
+    assert main(["estimate", str(config), *flags]) in (0, None)
+    assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == est.peak_allocated_bytes
+    assert main(["estimate", str(config), "-b", "4", "--seq-len", "16", "--tp", "3"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "batchfit: error: tensor parallel degree 3 does not divide the heads (4, 8) or the 8 GPUs of a node; "
+        "valid degrees: 1, 2, 4"
+    )
+    with pytest.raises(ConfigError, match="fsdp must be a whole number >= 1"):
+        batchfit.estimate(llama, 4, parallel=ParallelLayout(tensor_parallel=2, fsdp=0))

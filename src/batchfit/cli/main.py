@@ -105,6 +105,11 @@ def estimate(
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
+    tp: Annotated[int, typer.Option("--tp", help="Estimate one rank of tensor parallelism over this many GPUs.")] = 1,
+    sp: Annotated[bool, typer.Option("--sp", help="With --tp, sequence parallelism in the blocks.")] = False,
+    fsdp: Annotated[
+        int, typer.Option("--fsdp", help="FSDP2 across this many (tensor-parallel groups of) GPUs, traced.")
+    ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
@@ -123,6 +128,7 @@ def estimate(
         checkpointing="blocks" if checkpointing else None,
         expandable_segments=expandable_segments,
         accumulation_steps=accumulation_steps,
+        parallel=_layout(tp, sp, fsdp),
     )
     if as_json:
         opts.emit_json(est.to_dict())
@@ -284,6 +290,15 @@ def plan_command(
     from ..report.tables import plan_table
 
     opts.console().print(plan_table(result))
+
+
+def _layout(tp: int, sp: bool, fsdp: int) -> Any:
+    """``estimate``'s layout from its flags (None: one GPU's whole step)."""
+    if tp == 1 and fsdp == 1 and not sp:
+        return None
+    from ..workload import ParallelLayout
+
+    return ParallelLayout(tensor_parallel=tp, sequence_parallel=sp and tp > 1, fsdp=fsdp)
 
 
 def _parallel_kwargs(tp: int | None, sp: bool | None, gpus_per_node: int) -> dict[str, Any]:

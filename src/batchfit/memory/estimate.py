@@ -217,6 +217,7 @@ def estimate(
     checkpointing: Any = None,
     expandable_segments: bool = False,
     accumulation_steps: int | None = None,
+    parallel: Any = None,
 ) -> Estimate:
     """Estimate the memory of one training step of ``workload`` at ``batch_size`` on ``device``.
 
@@ -235,6 +236,9 @@ def estimate(
         accumulation_steps: micro-batches of ``batch_size`` per optimizer step (None: the workload's,
             1 by default). Above 1 the gradients of earlier micro-batches are alive through the
             later ones' forward and backward, which can move the peak.
+        parallel: a ``ParallelLayout`` (tensor / sequence parallelism, FSDP2): the estimate is then one
+            rank's, its step traced as rank 0 of a fake process group (``memory/parallel.py``); None:
+            the workload's own (``Workload.parallel``).
 
     Returns:
         An ``Estimate``.
@@ -255,7 +259,7 @@ def estimate(
     from ..gpu.catalog import get_device
     from ..precision import policy_for
 
-    workload = with_accumulation(_as_workload(workload), accumulation_steps)
+    workload = with_layout(with_accumulation(_as_workload(workload), accumulation_steps), parallel)
     batch_size = check_batch_size(batch_size)
     dev = get_device(device)
     policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
@@ -377,6 +381,22 @@ def with_accumulation(workload: Any, accumulation_steps: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(workload, accumulation_steps=check_batch_size(accumulation_steps, "accumulation_steps"))
+
+
+def with_layout(workload: Any, layout: Any) -> Any:
+    """``workload`` as one rank of ``layout`` runs it (checked: whole numbers >= 1); None keeps its own."""
+    if layout is None:
+        return workload
+    import dataclasses
+
+    from ..errors import ConfigError
+    from ..workload import ParallelLayout
+
+    if not isinstance(layout, ParallelLayout):
+        raise ConfigError(f"parallel must be a batchfit.ParallelLayout, got {type(layout).__name__}")
+    check_batch_size(layout.tensor_parallel, "tensor_parallel")
+    check_batch_size(layout.fsdp, "fsdp")
+    return dataclasses.replace(workload, parallel=layout if layout.world_size > 1 else None)
 
 
 def _as_workload(workload: Any) -> Any:

@@ -190,23 +190,24 @@ def split_facts(model: nn.Module, plan: Mapping[str, Any] | None) -> SplitFacts:
     return SplitFacts(None, degrees, tuple(head_counts(model, resolved)))
 
 
-def degree_error(degree: int, facts: SplitFacts, gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> str | None:
-    """One line when ``degree`` cannot split the model, a node of ``gpus_per_node`` or ``gpus``; else None.
-
-    The line names the valid degrees: those that split the model and divide both.
-    """
+def degree_error(
+    degree: int, facts: SplitFacts, gpus: int | None, gpus_per_node: int = GPUS_PER_NODE
+) -> str | None:
+    """One line when ``degree`` cannot split the model, a node of ``gpus_per_node`` or ``gpus`` (None: the
+    GPUs are the layout's own); else None. The line names the valid degrees: those that split the
+    model and divide both."""
     if degree <= 1:
         return None
     if facts.error is not None:
         return facts.error
-    valid = [d for d in facts.degrees if gpus_per_node % d == 0 and gpus % d == 0]
+    valid = [d for d in facts.degrees if gpus_per_node % d == 0 and (gpus is None or gpus % d == 0)]
     if degree in valid:
         return None
     what = f"the heads ({', '.join(str(h) for h in facts.heads)})" if facts.heads else "the planned layers"
     fails = [what] if degree not in facts.degrees else []
     if gpus_per_node % degree:
         fails.append(f"the {gpus_per_node} GPUs of a node")
-    if gpus % degree:
+    if gpus is not None and gpus % degree:
         fails.append(f"the {gpus} GPUs")
     listed = fails[0] if len(fails) == 1 else f"{', '.join(fails[:-1])} or {fails[-1]}"
     options = ", ".join(str(d) for d in [1, *valid])
@@ -220,7 +221,7 @@ def check_degree(model: nn.Module, plan: Mapping[str, Any], layout: ParallelLayo
         ConfigError: the degree does not divide a head count, a planned layer, a node or the GPUs.
     """
     facts = SplitFacts(None, tuple(valid_degrees(model, plan, range(2, 65))), tuple(head_counts(model, plan)))
-    error = degree_error(layout.tensor_parallel, facts, layout.world_size, gpus_per_node)
+    error = degree_error(layout.tensor_parallel, facts, None, gpus_per_node)
     if error is not None:
         raise ConfigError(error)
 
