@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_tiny import llama_config_dir
+from test_sharding import most_alive
 
 import batchfit
 from batchfit.memory.categories import Category
@@ -26,11 +28,6 @@ pytest.importorskip("transformers")
 
 WORKER = Path(__file__).with_name("parallel_memory_worker.py")
 SEQ_LEN, BATCH_SIZE = 16, 4
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
-}  # fmt: skip
 LAYOUTS = {
     "tp2": ParallelLayout(tensor_parallel=2),
     "tp2-sp": ParallelLayout(tensor_parallel=2, sequence_parallel=True),
@@ -41,9 +38,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return path
+    return llama_config_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _measure(config_dir: Path, out: Path, names: list[str]) -> dict:
@@ -64,16 +59,6 @@ def measured_two(config_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def measured_four(config_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _measure(config_dir, tmp_path_factory.mktemp("tp-fsdp") / "ranks.json", ["tp2-fsdp2", "tp2-sp-fsdp2"])
-
-
-def most_alive(trace: batchfit.memory.trace.MemoryTrace, category: Category) -> int:
-    """The most bytes of ``category`` alive at once in ``trace``."""
-    alive = most = 0
-    for is_alloc, sid, nbytes in trace.allocations():
-        if trace.role.get(sid) is category:
-            alive += nbytes if is_alloc else -nbytes
-            most = max(most, alive)
-    return most
 
 
 def _check(config_dir: Path, name: str, ranks: list[dict]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import llama_config_dir
 from torch import nn
 
 import batchfit
@@ -26,19 +27,14 @@ from batchfit.planning.plan import describe_split, plan
 from batchfit.sources import load
 from batchfit.workload import ParallelLayout
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 128,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
-}  # fmt: skip
+HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}
+"""Head counts that degrees 2 and 4 split and 8 does not."""
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> batchfit.Workload:
     pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("llama")
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return load(str(path), seq_len=16)
+    return load(str(llama_config_dir(tmp_path_factory.mktemp("llama"), **HEADS)), seq_len=16)
 
 
 class Block(nn.Module):
@@ -205,8 +201,7 @@ def test_estimate_takes_a_layout_and_the_command_line_names_valid_degrees(
     est = batchfit.estimate(llama, 4, device="cpu", parallel=layout)
     same = batchfit.estimate(dataclasses.replace(llama, parallel=layout), 4)
     assert est.peak_allocated_bytes == same.peak_allocated_bytes < batchfit.estimate(llama, 4).peak_allocated_bytes
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY_LLAMA))
+    config = llama_config_dir(tmp_path, **HEADS) / "config.json"
     flags = ["-b", "4", "--seq-len", "16", "--tp", "2", "--sp", "--fsdp", "2", "--json"]
     assert main(["estimate", str(config), *flags]) in (0, None)
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == est.peak_allocated_bytes
@@ -217,3 +212,24 @@ def test_estimate_takes_a_layout_and_the_command_line_names_valid_degrees(
     )
     with pytest.raises(ConfigError, match="fsdp must be a whole number >= 1"):
         batchfit.estimate(llama, 4, parallel=ParallelLayout(tensor_parallel=2, fsdp=0))
+
+
+def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> None:
+    """A large vocabulary at 2048 tokens: the logits outgrow the GPU whatever FSDP and checkpointing do;
+    split over the vocabulary (loss parallel) and the sequence (sequence parallel), they fit."""
+    from batchfit.planning.options import fit_estimate_at
+
+    wl = load(str(llama_config_dir(tmp_path, vocab_size=32000, max_position_embeddings=2048)), seq_len=2048)
+    device = get_device("A100-80GB")
+    whole = min(
+        fit_estimate_at(wl, device, "fp32", ck, sharded, 2, 1).device_total_bytes
+        for ck in (None, "blocks") for sharded in (False, True)
+    )  # fmt: skip
+    split = batchfit.estimate(wl, 1, device=device, parallel=ParallelLayout(2, sequence_parallel=True))
+    assert split.device_total_bytes < whole
+    capacity = (split.device_total_bytes + whole) // 2
+    p = plan(wl, 2, device=device.with_overrides(total_bytes=capacity), gpus=2, precision="fp32")
+    assert (p.tensor_parallel, p.sequence_parallel, p.data_parallel, p.sharded) == (2, True, 1, False)
+    assert p.remedies == ("tensor parallel 2 + sequence parallel",)
+    assert p.estimate.device_total_bytes <= capacity and p.splits == [[1, 1]]
+    assert p.predicted_step_s is not None and p.predicted_step_s > 0

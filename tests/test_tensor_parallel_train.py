@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import llama_config_dir
 from torch import nn
 
 from batchfit.errors import ConfigError
@@ -26,18 +27,11 @@ from batchfit.train.trainer import Trainer
 pytest.importorskip("transformers")
 
 WORKER = Path(__file__).with_name("tp_train_worker.py")
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
-    "max_position_embeddings": 32, "tie_word_embeddings": False,
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return path
+    return llama_config_dir(tmp_path_factory.mktemp("tiny-llama"), vocab_size=64, max_position_embeddings=32)
 
 
 def _train(config_dir: Path, out: Path, nproc: int, tp: int, sp: bool, global_batch: int) -> dict:

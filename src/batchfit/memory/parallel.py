@@ -285,11 +285,8 @@ def parallel_styles(
 def _replicate_the_rest(model: nn.Module, styles: dict[str, Any]) -> None:
     """Every module owning parameters no style splits gets ``_Replicated`` (NOTE [ Every parameter a
     DTensor ]); one that also holds split modules cannot, and says so."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    splitting = (ColwiseParallel, RowwiseParallel, SequenceParallel)
     owners = [name for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
-    split = [n for n, style in styles.items() if isinstance(style, splitting) or not isinstance(style, _Boundary)]
+    split = [n for n, style in styles.items() if not isinstance(style, _SequenceBoundary)]  # styles own params
     ties: dict[int, Any] = {}
     for name in owners:
         if name in split:
@@ -314,8 +311,11 @@ def _add_sequence_styles(model: nn.Module, plan: Mapping[str, Any], styles: dict
             "sequence parallelism splits the activations of a model's repeated blocks (a numbered container "
             "like layers.0, layers.1), and this model's plan names none; use tensor parallelism without it"
         )
-    styles[blocks[0]] = _SequenceSplitInput()
-    styles[blocks[-1]] = _SequenceGatherOutput()
+    if blocks[0] == blocks[-1]:
+        styles[blocks[0]] = _SequenceBoundary(enter="split", leave="gather")
+    else:
+        styles[blocks[0]] = _SequenceBoundary(enter="split")
+        styles[blocks[-1]] = _SequenceBoundary(leave="gather")
     for block in blocks:
         for child_name, child in model.get_submodule(block).named_children():
             path = f"{block}.{child_name}"
@@ -324,11 +324,11 @@ def _add_sequence_styles(model: nn.Module, plan: Mapping[str, Any], styles: dict
             if planned:
                 if path not in plan:
                     rowwise = any(plan[n] == "rowwise" for n in planned)
-                    styles[path] = _SequenceGatherInput(split_output=not rowwise)
+                    styles[path] = _SequenceBoundary("gather", None if rowwise else "split", local=not rowwise)
             elif params and all(p.dim() == 1 for p in params):  # a norm: token by token
                 styles[path] = SequenceParallel(use_local_output=True)
             elif params:  # whole, on the whole sequence (an attention the plan leaves whole)
-                styles[path] = _SequenceGatherInput(split_output=True)
+                styles[path] = _SequenceBoundary("gather", "split")
 
 
 def _in_block(name: str, plan: Mapping[str, Any]) -> bool:
@@ -420,67 +420,44 @@ def _redistribute(x: torch.Tensor, mesh: Any, source: Any, target: Any, local: b
     return d.to_local() if local else d
 
 
-class _Boundary(ParallelStyle):
-    """A sequence-parallel boundary on a module's first floating-point input or its output."""
+class _SequenceBoundary(ParallelStyle):
+    """A sequence-parallel boundary (NOTE [ Sequence parallelism, from the blocks ]): a module's first
+    floating-point input split (``enter="split"``) or gathered (``"gather"``) along the sequence, and its
+    output split or gathered again (``leave``). ``local``: the gathered input as a plain tensor, else a
+    replicated DTensor (handed to column-wise layers, whose input gradients are then reduce-scattered
+    back to the sequence parts)."""
 
-    def __init__(self, split_output: bool = False) -> None:
-        self.split_output = split_output
+    def __init__(self, enter: str | None = None, leave: str | None = None, local: bool = True) -> None:
+        self.enter, self.leave, self.local = enter, leave, local
 
     def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:  # ParallelStyle's hook
         from torch.distributed.tensor import Replicate, Shard
 
         seq, whole = Shard(1), Replicate()
-        hook = self._hook(mesh, seq, whole)
-        if hook is not None:
-            module.register_forward_pre_hook(hook, with_kwargs=True)
-        if self.split_output or isinstance(self, _SequenceGatherOutput):
-            source, target = (whole, seq) if self.split_output else (seq, whole)
+        ends = {"split": (whole, seq), "gather": (seq, whole)}
+        if self.enter is not None:
+            source, target = ends[self.enter]
+            local = self.local or self.enter == "split"
+
+            def before(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+                found = _first_tensor(args, kwargs)
+                if found is None:
+                    return None
+                return _replace(args, kwargs, found[0], _redistribute(found[1], mesh, source, target, local))
+
+            module.register_forward_pre_hook(before, with_kwargs=True)
+        if self.leave is not None:
+            out_source, out_target = ends[self.leave]
 
             def after(mod: nn.Module, args: Any, out: Any) -> Any:
                 if isinstance(out, torch.Tensor):
-                    return _redistribute(out, mesh, source, target, local=True)
+                    return _redistribute(out, mesh, out_source, out_target, local=True)
                 if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-                    return (_redistribute(out[0], mesh, source, target, local=True), *out[1:])
+                    return (_redistribute(out[0], mesh, out_source, out_target, local=True), *out[1:])
                 return out
 
             module.register_forward_hook(after)
         return module
-
-    def _hook(self, mesh: Any, seq: Any, whole: Any) -> Any:
-        return None
-
-
-class _SequenceSplitInput(_Boundary):
-    """The first block: its (whole) input becomes this rank's part of the sequence."""
-
-    def _hook(self, mesh: Any, seq: Any, whole: Any) -> Any:
-        def before(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            found = _first_tensor(args, kwargs)
-            if found is None:
-                return None
-            return _replace(args, kwargs, found[0], _redistribute(found[1], mesh, whole, seq, local=True))
-
-        return before
-
-
-class _SequenceGatherInput(_Boundary):
-    """A child holding planned layers: the whole sequence on entry, as a replicated DTensor (its
-    column-wise layers' input gradients are then reduce-scattered back to the sequence parts)."""
-
-    def _hook(self, mesh: Any, seq: Any, whole: Any) -> Any:
-        keep_local = self.split_output  # no planned layer to hand a DTensor to (NOTE above)
-
-        def before(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            found = _first_tensor(args, kwargs)
-            if found is None:
-                return None
-            return _replace(args, kwargs, found[0], _redistribute(found[1], mesh, seq, whole, local=keep_local))
-
-        return before
-
-
-class _SequenceGatherOutput(_Boundary):
-    """The last block: its output is gathered to the whole sequence again."""
 
 
 # NOTE [ Every parameter a DTensor ]

@@ -206,6 +206,11 @@ class StorageTracker(TorchDispatchMode):
         nbytes = st.nbytes()
         if nbytes == 0:  # no allocation: allocators hand out a null pointer for 0 bytes
             return None
+        return self._born(st, nbytes)
+
+    def _born(self, st: Any, nbytes: int) -> int:
+        """A new storage id for ``st``'s ``nbytes``, reported to ``on_alloc``."""
+        key = id(st)
         sid = self._next_id
         self._next_id += 1
         self._ids[key] = sid
@@ -231,19 +236,12 @@ class StorageTracker(TorchDispatchMode):
         old = self._ids.get(key)
         if old is not None and self.live_bytes.get(old) == nbytes:
             return
-        new = None
+        self.current_func = "UntypedStorage.resize_"
         if nbytes > 0:
-            new = self._next_id
-            self._next_id += 1
-            self._ids[key] = new
-            self.live_bytes[new] = nbytes
-            node = self.current_node = torch._C._current_autograd_node()
-            if node is not None:
-                self._born_in[new] = id(node)
-            self._refs[new] = weakref.ref(storage, partial(self._freed, key, new))
-            self._on_alloc(new, nbytes)
+            self._born(storage, nbytes)
         elif old is not None:
             del self._ids[key]
+        self.current_func = None
         if old is not None:
             self._refs.pop(old, None)
             self._born_in.pop(old, None)

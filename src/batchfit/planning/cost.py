@@ -119,8 +119,18 @@ def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
     optimizer step; the time model multiplies by the plan's own count, so the trace's is divided out.
     """
     flops = sum(n for (phase, s), n in trace.flops.items() if s == step and phase in ("forward", "backward"))
-    micro = max(1, sum(1 for _, name, s in trace.phases if s == step and name == "forward"))
-    allocated, phase = 0, ""
+    allocated = sum(trace.nbytes[sid] for sid in _forward_backward_allocations(trace, step))
+    micro = _micro_batches(trace, step)
+    return flops // micro, allocated // micro
+
+
+def _micro_batches(trace: Any, step: int) -> int:
+    return max(1, sum(1 for _, name, s in trace.phases if s == step and name == "forward"))
+
+
+def _forward_backward_allocations(trace: Any, step: int) -> Any:
+    """The storage ids allocated in the forward and backward phases of ``step``, in order."""
+    phase = ""
     bounds = [(start, name, s) for start, name, s in trace.phases]
     k = 0
     for i, e in enumerate(trace.events):
@@ -128,8 +138,7 @@ def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
             phase = bounds[k][1] if bounds[k][2] == step else ""
             k += 1
         if e >= 0 and phase in ("forward", "backward"):
-            allocated += trace.nbytes[e]
-    return flops // micro, allocated // micro
+            yield e
 
 
 def predict_step_time(
@@ -186,19 +195,11 @@ _TP_TRAFFIC = (
 def tensor_parallel_bytes(trace: Any, tensor_parallel: int, step: int = 1) -> float:
     """Bytes one rank sends in the traced collectives of one micro-batch's forward and backward (the
     functional collectives DTensor runs; FSDP's own are counted from the state bytes)."""
-    sent, phase = 0.0, ""
-    bounds = [(start, name, s) for start, name, s in trace.phases]
-    k = 0
-    for i, e in enumerate(trace.events):
-        while k < len(bounds) and bounds[k][0] <= i:
-            phase = bounds[k][1] if bounds[k][2] == step else ""
-            k += 1
-        if e < 0 or phase not in ("forward", "backward"):
-            continue
-        op = trace.op.get(e, "")
+    sent = 0.0
+    for sid in _forward_backward_allocations(trace, step):
+        op = trace.op.get(sid, "")
         for prefix, factor in _TP_TRAFFIC:
             if op.startswith(prefix):
-                sent += trace.nbytes[e] * factor(tensor_parallel)
+                sent += trace.nbytes[sid] * factor(tensor_parallel)
                 break
-    micro = max(1, sum(1 for _, name, s in trace.phases if s == step and name == "forward"))
-    return sent / micro
+    return sent / _micro_batches(trace, step)

@@ -70,28 +70,19 @@ def split_model(
             without a tensor-parallel plan.
     """
     from ..memory.parallel import apply_layout, make_mesh
+    from .fsdp import equalise, parameter_names, repoint
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("tensor parallelism needs a process group: launch with torchrun --nproc_per_node=N")
-    name_of = {id(p): name for name, p in model.named_parameters()}
-    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in name_of]
-    if stray:
-        raise ConfigError(
-            f"{len(stray)} of the optimizer's parameters are not the model's; build the optimizer from "
-            "model.parameters() so that tensor parallelism can split them"
-        )
+    name_of = parameter_names(model, optimizer, "so that tensor parallelism can split them")
     if any(optimizer.state.values()):
         raise ConfigError(
             "the optimizer already holds state; split the model first (build the Trainer), then load a checkpoint"
         )
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)  # each rank splits its own copy: make them rank 0's
+    equalise(model)
     mesh = make_mesh(layout, device.type)
     apply_layout(model, layout, mesh, tp_plan, gpus_per_node())
-    split = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [split[name_of[id(p)]] for p in group["params"]]
+    repoint(optimizer, model, name_of)
     return model, mesh
 
 
