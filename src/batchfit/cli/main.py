@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..errors import BatchfitError
+from ..errors import BatchfitError, ConfigError
 from . import options as opts
 from .calibrate import calibrate
 from .options import (
@@ -262,10 +262,13 @@ def plan_command(
     from ..planning.plan import plan
 
     planner = plan
+    parallel = _parallel_kwargs(tp, sp, gpus_per_node)
     if hf_args is not None:
         from ..integrations.transformers import training_arguments_planner
 
-        planner = training_arguments_planner(hf_args)
+        if tp is not None and tp > 1:
+            raise ConfigError("--hf-args plans for the Hugging Face Trainer, which does not split a model; drop --tp")
+        planner, parallel = training_arguments_planner(hf_args), {}
     wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets, fused_loss)
     with opts.progress(as_json) as show:
         result = planner(
@@ -282,7 +285,7 @@ def plan_command(
             interconnect=interconnect.value,
             progress=show,
             workers=workers,
-            **_parallel_kwargs(tp, sp, gpus_per_node),
+            **parallel,
         )
     if as_json:
         opts.emit_json(result.to_dict())

@@ -316,6 +316,14 @@ class Accumulator:
         return is_sharded(self.model)
 
     @property
+    def split(self) -> bool:
+        """True when the model's parameters are DTensors of tensor parallelism: every micro-batch is a
+        collective of a group's ranks, as under FSDP."""
+        from .parallel import is_split
+
+        return is_split(self.model) and not self.sharded
+
+    @property
     def synchronising(self) -> bool:
         """True when the window's last backward all-reduces the gradients of several ranks (DDP)."""
         return self.world_size > 1 and not self.sharded
