@@ -318,7 +318,7 @@ def _tensor_parallel_degrees(wl: Any, gpus: int, asked: int | None, gpus_per_nod
         ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid ones).
     """
     from ..cache import CACHE
-    from ..memory.parallel import degree_error, split_facts
+    from ..memory.tp_plan import degree_error, split_facts
     from ..memory.trace import fake_model
 
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
