@@ -233,3 +233,25 @@ def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> Non
     assert p.remedies == ("tensor parallel 2 + sequence parallel",)
     assert p.estimate.device_total_bytes <= capacity and p.splits == [[1, 1]]
     assert p.predicted_step_s is not None and p.predicted_step_s > 0
+
+
+class Flat(nn.Module):
+    """A feed-forward without numbered blocks: tensor parallelism splits it, sequence parallelism finds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_sequence_parallelism_needs_blocks_and_says_so() -> None:
+    wl = batchfit.Workload(
+        model=Flat, batch=lambda b: torch.randn(b, 4, 8), loss=lambda m, x: m(x).square().mean(),
+        tp_plan={"up": "colwise", "down": "rowwise"},
+    )  # fmt: skip
+    p = plan(wl, 4, device="A100-40GB", gpus=2, tensor_parallel=2)
+    assert (p.tensor_parallel, p.sequence_parallel) == (2, False)
+    with pytest.raises(ConfigError, match=r"this model's plan names none; drop --sp$"):
+        plan(wl, 4, device="A100-40GB", gpus=2, tensor_parallel=2, sequence_parallel=True)

@@ -287,7 +287,7 @@ def _digest(obj: Any) -> str:
 @functools.cache
 def _own_source() -> str:
     """A digest of batchfit's own source files: a changed estimator never reuses an old trace."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the package, not only cache/ (where this file lives)
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())

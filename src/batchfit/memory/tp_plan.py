@@ -143,6 +143,8 @@ class SplitFacts:
     """Degrees up to 64 that split every planned layer and every head count evenly."""
     heads: tuple[int, ...] = ()
     """The head counts that constrain the degree."""
+    blocks: bool = False
+    """The plan splits layers of numbered blocks, which sequence parallelism needs."""
 
 
 def split_facts(model: nn.Module, plan: Mapping[str, Any] | None) -> SplitFacts:
@@ -152,7 +154,7 @@ def split_facts(model: nn.Module, plan: Mapping[str, Any] | None) -> SplitFacts:
     except ConfigError as e:
         return SplitFacts(str(e))
     degrees = tuple(valid_degrees(model, resolved, range(2, 65)))
-    return SplitFacts(None, degrees, tuple(head_counts(model, resolved)))
+    return SplitFacts(None, degrees, tuple(head_counts(model, resolved)), bool(blocks_of_names(resolved)))
 
 
 def degree_error(

@@ -38,6 +38,8 @@ class _Config:
     sequence_parallel: bool = False
     widest: int = 1
     """The largest tensor-parallel degree of the ladder (NOTE [ The most split layout first ])."""
+    widest_sp: bool = False
+    """Whether the ladder's layouts include sequence parallelism (the most split ones do then)."""
 
     def data_parallel(self, gpus: int) -> int:
         """Ranks that take different items of the global batch: the tensor-parallel groups."""
@@ -97,7 +99,8 @@ def _ladder(
                 used.sort()
                 remedies = tuple(name for _, name in used)
                 cost = tuple(sorted((r for r, _ in used), reverse=True))
-                configs.append(_Config(prec, ck, sharded, remedies, cost, degree, sp, max(tp_degrees, default=1)))
+                widest = max(tp_degrees, default=1)
+                configs.append(_Config(prec, ck, sharded, remedies, cost, degree, sp, widest, True in sp_options))
     return sorted(configs, key=lambda c: (c.cost, c.tensor_parallel, not c.sequence_parallel))
 
 
@@ -107,13 +110,13 @@ def _ladder(
 # as the degree grows and with sequence parallelism (parameters, gradients, states and the planned
 # layers' activations are split further; the gathered sequence is the same size), so before any
 # tensor-parallel layout is fitted, the most split one of its precision and checkpointing (the widest
-# degree, with sequence parallelism) is traced at one item: when even that does not fit, none of them
-# does, and the others are skipped untraced. A layout that passes is fitted as usual.
+# degree, with sequence parallelism where the ladder has it) is traced at one item: when even that does
+# not fit, none of them does, and the others are skipped untraced. A layout that passes is fitted as usual.
 def most_split(config: _Config) -> _Config:
     """The most split tensor-parallel layout with ``config``'s precision and checkpointing."""
     import dataclasses
 
-    return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=True)
+    return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=config.widest_sp)
 
 
 def tensor_parallel_remedy(degree: int, sequence_parallel: bool) -> str:

@@ -202,7 +202,7 @@ def plan(
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
     link_gbps(dev, interconnect)  # an unknown interconnect fails here, not after the fits
     n_workers = resolve_workers(workers)
-    degrees = _tensor_parallel_degrees(wl, gpus, tensor_parallel, gpus_per_node)
+    degrees, sequence_parallel = _tensor_parallel_degrees(wl, gpus, tensor_parallel, sequence_parallel, gpus_per_node)
     configs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks), degrees, sequence_parallel)
     if tensor_parallel is not None:
         configs = [c for c in configs if c.tensor_parallel == max(1, tensor_parallel)]
@@ -310,12 +310,16 @@ def plan(
     )
 
 
-def _tensor_parallel_degrees(wl: Any, gpus: int, asked: int | None, gpus_per_node: int) -> tuple[int, ...]:
+def _tensor_parallel_degrees(
+    wl: Any, gpus: int, asked: int | None, sequence_parallel: bool | None, gpus_per_node: int
+) -> tuple[tuple[int, ...], bool | None]:
     """The tensor-parallel degrees the ladder tries: the one asked for (checked), else every degree up to a
-    node that splits the model's plan and divides the GPUs; none for a model without a plan.
+    node that splits the model's plan and divides the GPUs; none for a model without a plan. With them,
+    sequence parallelism as asked, or off for a plan outside numbered blocks (which it needs).
 
     Raises:
-        ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid ones).
+        ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid
+            ones), or sequence parallelism asked of a plan outside numbered blocks.
     """
     from ..cache import CACHE
     from ..memory.tp_plan import degree_error, split_facts
@@ -326,16 +330,24 @@ def _tensor_parallel_degrees(wl: Any, gpus: int, asked: int | None, gpus_per_nod
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ConfigError(f"GPUs per node must be a whole number >= 1, got {gpus_per_node!r}")
     if asked == 1 or (asked is None and gpus == 1):
-        return ()
+        return (), sequence_parallel
     facts = CACHE.fact("tensor-parallel facts", wl, None, lambda: split_facts(fake_model(wl), wl.tp_plan))
+    if facts.error is None and not facts.blocks:
+        if sequence_parallel:
+            raise ConfigError(
+                "sequence parallelism splits the activations of a model's repeated blocks (a numbered container "
+                "like layers.0, layers.1), and this model's plan names none; drop --sp"
+            )
+        sequence_parallel = False
     if asked is not None:
         error = degree_error(asked, facts, gpus, gpus_per_node)
         if error is not None:
             raise ConfigError(error)
-        return (asked,)
+        return (asked,), sequence_parallel
     if facts.error is not None:
-        return ()
-    return tuple(d for d in facts.degrees if d <= gpus_per_node and gpus_per_node % d == 0 and gpus % d == 0)
+        return (), sequence_parallel
+    degrees = tuple(d for d in facts.degrees if d <= gpus_per_node and gpus_per_node % d == 0 and gpus % d == 0)
+    return degrees, sequence_parallel
 
 
 def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batch_size: int | None, rule: str) -> Any:
