@@ -26,6 +26,22 @@ def tiny_llama(seed: int = 0) -> Any:
     return LlamaForCausalLM(config)
 
 
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+    "max_position_embeddings": 64, "tie_word_embeddings": False,
+}  # fmt: skip
+"""A tiny Llama's ``config.json``: two layers whose heads and widths two or four ranks split evenly."""
+
+
+def llama_config_dir(path: Any, **fields: Any) -> Any:
+    """``path`` with a tiny Llama's ``config.json`` written in it (``fields`` change the config)."""
+    import json
+
+    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **fields}))
+    return path
+
+
 def example(i: int) -> dict[str, list[int]]:
     """One dataset example, as a tokenised dataset yields it (lists of ids)."""
     ids = [(7 * i + 3 * t) % 512 for t in range(SEQ_LEN)]

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "Estimate": ".memory.estimate",
     "FitResult": ".planning.fit",
     "GradientNoiseScale": ".advice.noise_scale",
+    "ParallelLayout": ".workload",
     "Plan": ".planning.plan",
     "SimulatedDevice": ".gpu.simulated",
     "StepResult": ".train.accumulate",
@@ -79,6 +80,7 @@ __all__ = [
     "Estimate",
     "FitResult",
     "GradientNoiseScale",
+    "ParallelLayout",
     "Plan",
     "SimulatedDevice",
     "StepResult",
@@ -165,4 +167,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .planning.sweep import SweepResult, sweep
     from .train.accumulate import Accumulator, StepResult
     from .train.trainer import Trainer
-    from .workload import Workload
+    from .workload import ParallelLayout, Workload

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -204,7 +205,14 @@ def _gpt(overrides: Mapping[str, Any]) -> Workload:
     model = partial(GPT, GPTConfig(**{k: cfg[k] for k in GPTConfig.__dataclass_fields__}))
     data = dict(seq_len=cfg["seq_len"], vocab_size=cfg["vocab_size"])
     extra, seq = {"pad": cfg["pad"]}, cfg["seq_len"]
-    return _assemble("gpt", cfg, model, gpt_loss, (Block,), token_batch, token_item, data, extra, seq)
+    wl = _assemble("gpt", cfg, model, gpt_loss, (Block,), token_batch, token_item, data, extra, seq)
+    return dataclasses.replace(wl, tp_plan=GPT_TP_PLAN)
+
+
+GPT_TP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+"""The ``gpt`` preset's tensor-parallel plan: the feed-forward of every block (column-wise up, row-wise
+down). Its attention projects q, k and v with one fused layer (``c_attn``), whose rows a column-wise
+split would cut into q, k and v unevenly, so attention stays whole on every rank."""
 
 
 def _hf_workload(name: str, overrides: Mapping[str, Any]) -> Workload:

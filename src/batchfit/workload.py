@@ -6,7 +6,7 @@ model and a built-in preset go through exactly the same code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,48 @@ ModelFactory = Callable[[], nn.Module]
 BatchFn = Callable[[int], Batch]
 LossFn = Callable[[nn.Module, Batch], Any]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one rank's step is cut out of the model beyond data parallelism: tensor, sequence and FSDP.
+
+    The GPUs form a 2-D mesh, ``fsdp`` x ``tensor_parallel`` (PyTorch's large-model recipes): the
+    tensor-parallel ranks of one group (inside a node) split every layer the model's plan names and run
+    the same micro-batch; FSDP2 shards parameters, gradients and optimizer states across the groups,
+    which run different micro-batches. ``memory/parallel.py`` traces one rank of it, ``train/parallel.py``
+    trains it.
+
+    Example:
+        >>> ParallelLayout(tensor_parallel=4, sequence_parallel=True, fsdp=16).describe()
+        'TP 4 + SP x FSDP 16'
+    """
+
+    tensor_parallel: int = 1
+    """GPUs that split each planned layer (colwise / rowwise, ``parallelize_module``): a node's worth at most."""
+    sequence_parallel: bool = False
+    """Between the planned layers, the blocks' activations (residual stream, norms) are split along the
+    sequence across the tensor-parallel GPUs instead of repeated on each."""
+    fsdp: int = 1
+    """Tensor-parallel groups that FSDP2 shards parameters, gradients and optimizer states across."""
+    loss_parallel: bool = True
+    """A head planned ``loss_parallel`` (a causal LM's ``lm_head``) keeps its logits split over the
+    vocabulary and the loss is computed under ``torch.distributed.tensor.parallel.loss_parallel``
+    (PyTorch's recipe); False gathers the whole logits on every rank first."""
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the layout spans."""
+        return self.tensor_parallel * self.fsdp
+
+    def describe(self) -> str:
+        """``TP 4 + SP x FSDP 16``, ``TP 2``, ``FSDP 8``."""
+        parts = []
+        if self.tensor_parallel > 1:
+            parts.append(f"TP {self.tensor_parallel}" + (" + SP" if self.sequence_parallel else ""))
+        if self.fsdp > 1:
+            parts.append(f"FSDP {self.fsdp}")
+        return " x ".join(parts) or "one GPU"
 
 
 def adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -82,6 +124,14 @@ class Workload:
     Not part of the trace cache's key (a trace depends on the workload, not on how to rebuild it)."""
     max_seq_len: int | None = None
     """The longest sequence ``at_seq_len`` accepts (the model's positions); None: no known limit."""
+    tp_plan: Mapping[str, Any] | None = None
+    """Tensor parallelism's plan: module paths (``*`` matches one name, as in transformers'
+    ``base_model_tp_plan``) to ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"`` or a
+    ``torch.distributed.tensor.parallel.ParallelStyle``. None: the model's own published plan (a
+    transformers model's ``config.base_model_tp_plan`` and its class's ``_tp_plan``), if any."""
+    parallel: ParallelLayout | None = None
+    """The layout of the step whose memory is estimated (None: one GPU's whole step, or data parallelism).
+    ``plan`` sets it for its tensor-parallel configurations; one rank's step is then traced."""
 
     def build_model(self) -> nn.Module:
         """The model: the instance given, or a new one from the factory."""

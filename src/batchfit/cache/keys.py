@@ -34,11 +34,12 @@ from typing import Any
 # such as a dropout rate or a head count), the batch function, the loss and the optimizer (their code,
 # and the values their closures, ``functools.partial`` arguments and the module-level names they read
 # hold: a width set from argv or in a notebook cell is a new key when it changes), the batch size, the
-# precision, the checkpointed classes, the accumulation count, the zero-grad mode, the device's kernel
-# model (cuBLAS workspaces, CPU thread count and machine for CPU kernels), whether deep models are
-# traced cut and written at full depth (``memory/depth.py``), and the versions of batchfit, torch and
-# transformers. All of it goes into the key; anything that cannot be described (an object
-# with no stable description) makes the workload uncacheable rather than risk a stale answer.
+# precision, the checkpointed classes, the accumulation count, the zero-grad mode, the parallel layout
+# and its tensor-parallel plan, the device's kernel model (cuBLAS workspaces, CPU thread count and
+# machine for CPU kernels), whether deep models are traced cut and written at full depth
+# (``memory/depth.py``), and the versions of batchfit, torch and transformers. All of it goes into the
+# key; anything that cannot be described (an object with no stable description) makes the workload
+# uncacheable rather than risk a stale answer.
 
 _FORMAT = 4
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
@@ -361,6 +362,8 @@ def workload_digest(workload: Any, param_dtype: Any) -> str:
             _describe(workload.optimizer),
             bool(workload.set_grads_to_none),
             _describe(getattr(workload, "items", None)),
+            _describe(getattr(workload, "tp_plan", None)),
+            _describe(getattr(workload, "parallel", None)),
         )
         watch = tuple(_WATCH)
     finally:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from ..errors import BatchfitError
+from ..errors import BatchfitError, ConfigError
 from . import options as opts
 from .calibrate import calibrate
 from .options import (
@@ -26,6 +26,7 @@ from .options import (
     DeviceOpt,
     FitBatchSizeOpt,
     FusedLossOpt,
+    GpusPerNodeOpt,
     HfArgsOpt,
     InterconnectName,
     InterconnectOpt,
@@ -41,8 +42,10 @@ from .options import (
     ProfileOpt,
     SeqLenOpt,
     SeqMultipleOpt,
+    SequenceParallelOpt,
     SetOpt,
     TaskOpt,
+    TensorParallelOpt,
 )
 from .report import report
 from .train import train
@@ -105,6 +108,11 @@ def estimate(
     profile: ProfileOpt = None,
     cuda_loading: CudaLoadingOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
+    tp: Annotated[int, typer.Option("--tp", help="Estimate one rank of tensor parallelism over this many GPUs.")] = 1,
+    sp: Annotated[bool, typer.Option("--sp", help="With --tp, sequence parallelism in the blocks.")] = False,
+    fsdp: Annotated[
+        int, typer.Option("--fsdp", help="FSDP2 across this many (tensor-parallel groups of) GPUs, traced.")
+    ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
@@ -123,6 +131,7 @@ def estimate(
         checkpointing="blocks" if checkpointing else None,
         expandable_segments=expandable_segments,
         accumulation_steps=accumulation_steps,
+        parallel=_layout(tp, sp, fsdp),
     )
     if as_json:
         opts.emit_json(est.to_dict())
@@ -240,6 +249,9 @@ def plan_command(
     base_batch_size: BaseBatchSizeOpt = None,
     lr_rule: LrRuleOpt = LrRule.auto,
     interconnect: InterconnectOpt = InterconnectName.nvlink,
+    tp: TensorParallelOpt = None,
+    sp: SequenceParallelOpt = None,
+    gpus_per_node: GpusPerNodeOpt = 8,
     workers: Annotated[
         int | None,
         typer.Option("--workers", help="Processes fitting configurations at once (default: the cores; 1: one by one)."),
@@ -260,10 +272,13 @@ def plan_command(
     from ..planning.plan import plan
 
     planner = plan
+    parallel = _parallel_kwargs(tp, sp, gpus_per_node)
     if hf_args is not None:
         from ..integrations.transformers import training_arguments_planner
 
-        planner = training_arguments_planner(hf_args)
+        if tp is not None and tp > 1:
+            raise ConfigError("--hf-args plans for the Hugging Face Trainer, which does not split a model; drop --tp")
+        planner, parallel = training_arguments_planner(hf_args), {}
     wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets, fused_loss)
     with opts.progress(as_json) as show:
         result = planner(
@@ -280,6 +295,7 @@ def plan_command(
             interconnect=interconnect.value,
             progress=show,
             workers=workers,
+            **parallel,
         )
     if as_json:
         opts.emit_json(result.to_dict())
@@ -287,6 +303,24 @@ def plan_command(
     from ..report.tables import plan_table
 
     opts.console().print(plan_table(result))
+
+
+def _layout(tp: int, sp: bool, fsdp: int) -> Any:
+    """``estimate``'s layout from its flags (None: one GPU's whole step)."""
+    if tp == 1 and fsdp == 1 and not sp:
+        return None
+    from ..workload import ParallelLayout
+
+    return ParallelLayout(tensor_parallel=tp, sequence_parallel=sp and tp > 1, fsdp=fsdp)
+
+
+def _parallel_kwargs(tp: int | None, sp: bool | None, gpus_per_node: int) -> dict[str, Any]:
+    """``plan``'s tensor-parallel arguments, passed only when given (the HF planner takes none)."""
+    given = {"tensor_parallel": tp, "sequence_parallel": sp}
+    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if kwargs or gpus_per_node != 8:
+        kwargs["gpus_per_node"] = gpus_per_node
+    return kwargs
 
 
 @app.command(name="sweep")

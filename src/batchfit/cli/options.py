@@ -222,6 +222,21 @@ InterconnectOpt = Annotated[
 ]
 
 
+TensorParallelOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tp", help="Tensor-parallel GPUs per group (inside a node; 1: none). Default: as the ladder needs."
+    ),
+]
+SequenceParallelOpt = Annotated[
+    bool | None,
+    typer.Option("--sp/--no-sp", help="Fix sequence parallelism with tensor parallelism (default: as needed)."),
+]
+GpusPerNodeOpt = Annotated[
+    int, typer.Option("--gpus-per-node", help="GPUs sharing one node's NVLink (bounds the tensor-parallel degree).")
+]
+
+
 @contextlib.contextmanager
 def progress(quiet: bool) -> Iterator[Any]:
     """A callback showing what is being traced on a terminal (None with ``--json`` or without a TTY)."""

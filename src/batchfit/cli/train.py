@@ -71,6 +71,15 @@ def train(
             "(a plan that needs it turns it on by itself).",
         ),
     ] = False,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            help="Under torchrun, tensor-parallel groups of this many processes (inside a node), the model split "
+            "by its tensor-parallel plan, FSDP across the groups.",
+        ),
+    ] = 1,
+    sp: Annotated[bool, typer.Option("--sp", help="With --tp, sequence parallelism in the blocks.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every step's result.")] = False,
 ) -> None:
     """Train a preset on deterministic synthetic data: global batch = micro-batch x accumulation, exactly."""
@@ -99,7 +108,7 @@ def train(
     workload = load(preset, **_overrides(set_))
     if workload.items is None:
         raise ConfigError(f"{preset!r} has no synthetic items (Workload.items); batchfit train needs them")
-    place = _join_process_group(device, global_batch_size)
+    place = _join_process_group(device, global_batch_size, tp)
     trainer_device, sim = _device(device, precision)
     if precision.lower() == "bf16-true":
         model_dtype = torch.bfloat16
@@ -111,12 +120,14 @@ def train(
     optimizer = workload.optimizer(trainable_parameters(model))
     items = workload.items
 
-    shares = rank_shares(global_batch_size, place.world_size)
-    first_id = sum(shares[: place.rank])
+    groups = max(1, place.world_size // tp)  # the ranks of a tensor-parallel group take the same items
+    shares = rank_shares(global_batch_size, groups)
+    group = place.rank // tp if place.world_size % tp == 0 else place.rank
+    first_id = sum(shares[:group])
 
     def rank_ids(step: int) -> torch.Tensor:
-        start = step * global_batch_size + first_id  # this rank's contiguous part of global batch t
-        return torch.arange(start, start + shares[place.rank])
+        start = step * global_batch_size + first_id  # this rank's (group's) contiguous part of global batch t
+        return torch.arange(start, start + shares[group])
 
     def make_batch(step: int) -> Any:
         with default_dtype(model_dtype):
@@ -144,6 +155,9 @@ def train(
             precision=precision,
             workload=None if model_dtype is torch.float64 else workload,  # float64: plan the model as built
             sharded=shard,
+            tensor_parallel=tp,
+            sequence_parallel=sp,
+            tp_plan=workload.tp_plan,
         )
         first_step, item_log = 0, []
         if resume is not None:
@@ -166,7 +180,7 @@ def train(
             row["peak_reserved_bytes"] = peak()
             row["step"] = step  # counted from 0 across resumes, as StepResult.step
             rows.append(row)
-            item_log.append(_gathered_ids(rank_ids(step), place))
+            item_log.append(_gathered_ids(rank_ids(step) if place.rank % tp == 0 else rank_ids(step)[:0], place))
             if checkpoint is not None:
                 _checkpoint(checkpoint, place, model, optimizer, step + 1, item_log, preset, global_batch_size, seed)
             if progress is not None:
@@ -197,6 +211,8 @@ def train(
         "plan": planned,
         "world_size": place.world_size,
         "sharded": sharded,
+        "tensor_parallel": tp,
+        "sequence_parallel": sp and tp > 1,
         "resumed_from_step": first_step if resume is not None else None,
         "steps": rows,
         "final_loss": rows[-1]["loss"],

@@ -57,17 +57,19 @@ def _peak_reader(sim: Any, device: Any) -> Callable[[], int | None]:
     return lambda: None
 
 
-def _join_process_group(device: str, global_batch_size: int) -> Any:
+def _join_process_group(device: str, global_batch_size: int, tensor_parallel: int = 1) -> Any:
     """Under torchrun, join the process group (gloo on CPU and simulated GPUs, NCCL on CUDA)."""
     import torch
 
     from ..train.distributed import init_distributed, launched_by_torchrun
+    from ..train.parallel import check_tensor_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
-    if world > global_batch_size:
+    ranks = world // check_tensor_parallel(tensor_parallel, world)  # a tensor-parallel group takes one share
+    if ranks > global_batch_size:
         raise ConfigError(
-            f"{world} processes cannot share a global batch of {global_batch_size} (each needs an item); "
-            f"use --global-batch-size >= {world} or fewer processes"
+            f"{ranks} processes cannot share a global batch of {global_batch_size} (each needs an item); "
+            f"use --global-batch-size >= {ranks} or fewer processes"
         )
     if world == 1:  # a single process: nothing to join (the device is checked where it is used)
         from ..train.distributed import Place

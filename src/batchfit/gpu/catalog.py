@@ -61,6 +61,9 @@ LAZY_LOADING_MIN_CUDA = (11, 7)
 """The first CUDA release with lazy module loading (CUDA 11.7 release notes, ``CUDA_MODULE_LOADING``)."""
 CONTEXT_SOURCES = ("default", "eager", "profile", "override")
 """Where a device's ``context_bytes`` comes from (see ``Device.context_source``)."""
+GPUS_PER_NODE = 8
+"""GPUs one node links with NVLink (DGX/HGX A100, H100, H200, B200 boards: 8 through NVSwitch); tensor
+parallelism stays inside one, its collectives being in every layer (``--gpus-per-node`` to change)."""
 DEFAULT_ARCH = "Ampere"
 DEFAULT_COMPUTE_CAPABILITY = (8, 0)
 

@@ -150,6 +150,7 @@ def _first_fitting(
                 precision=precision,
                 checkpointing="blocks" if checkpointing else None,
                 margin=margin,
+                tensor_parallel=1,  # a framework's own data parallelism: no split of the model
                 **plan_kwargs,
             )
         except DoesNotFitError as e:  # one item fits, but not beside the gradients accumulation keeps

@@ -245,6 +245,7 @@ def estimate(
     checkpointing: Any = None,
     expandable_segments: bool = False,
     accumulation_steps: int | None = None,
+    parallel: Any = None,
 ) -> Estimate:
     """Estimate the memory of one training step of ``workload`` at ``batch_size`` on ``device``.
 
@@ -263,6 +264,9 @@ def estimate(
         accumulation_steps: micro-batches of ``batch_size`` per optimizer step (None: the workload's,
             1 by default). Above 1 the gradients of earlier micro-batches are alive through the
             later ones' forward and backward, which can move the peak.
+        parallel: a ``ParallelLayout`` (tensor / sequence parallelism, FSDP2): the estimate is then one
+            rank's, its step traced as rank 0 of a fake process group (``memory/parallel.py``); None:
+            the workload's own (``Workload.parallel``).
 
     Returns:
         An ``Estimate``.
@@ -283,7 +287,7 @@ def estimate(
     from ..gpu.catalog import get_device
     from ..precision import policy_for
 
-    workload = with_accumulation(_as_workload(workload), accumulation_steps)
+    workload = with_layout(with_accumulation(_as_workload(workload), accumulation_steps), parallel)
     batch_size = check_batch_size(batch_size)
     dev = get_device(device)
     policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
@@ -374,6 +378,13 @@ def _trace_for_device(
             depth=depth,
         )
 
+    layout = getattr(workload, "parallel", None)
+    if layout is not None and layout.world_size > 1:
+        # A rank's layout splits each block's parameters into DTensors and runs collectives whose
+        # buffers the writer of the full depth does not follow: the rank is traced with every block.
+        whole = trace(None)
+        whole.notes.append("traced at full depth (no depth synthesis): one rank of a parallel layout")
+        return whole
     return trace_deep(trace)
 
 
@@ -411,6 +422,22 @@ def with_accumulation(workload: Any, accumulation_steps: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(workload, accumulation_steps=check_batch_size(accumulation_steps, "accumulation_steps"))
+
+
+def with_layout(workload: Any, layout: Any) -> Any:
+    """``workload`` as one rank of ``layout`` runs it (checked: whole numbers >= 1); None keeps its own."""
+    if layout is None:
+        return workload
+    import dataclasses
+
+    from ..errors import ConfigError
+    from ..workload import ParallelLayout
+
+    if not isinstance(layout, ParallelLayout):
+        raise ConfigError(f"parallel must be a batchfit.ParallelLayout, got {type(layout).__name__}")
+    check_batch_size(layout.tensor_parallel, "tensor_parallel")
+    check_batch_size(layout.fsdp, "fsdp")
+    return dataclasses.replace(workload, parallel=layout if layout.world_size > 1 else None)
 
 
 def _as_workload(workload: Any) -> Any:

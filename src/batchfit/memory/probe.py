@@ -47,12 +47,15 @@ import torch
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .gloo import COLLECTIVE_NAMESPACES, staging_bytes
 from .measure import cpu_memory_profile
 from .trace import real_execution
 from .tracker import sparse_tensor_error
 from .values import adopt, real_of
 
-_SKIP_NAMESPACES = {"profiler"}
+_SKIP_NAMESPACES = {"profiler", *COLLECTIVE_NAMESPACES}
+"""Not replayed: the profiler's markers, and collectives (a replay outside the step would leave a work
+unwaited; what the CPU's backend, gloo, allocates inside one is ``memory/gloo.py``'s)."""
 _FACTORIES = tuple(f"aten.{name}." for name in ("zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty",
                                                  "full", "full_like", "new_full"))  # fmt: skip
 """Ops whose uint8 output is a buffer made to be filled (8-bit optimizer states), not a kernel's opaque
@@ -223,7 +226,13 @@ class CpuScratchProbe:
 
     def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
         """The tracer's hook: a pending transient scratch (and output check) per non-view op."""
-        if getattr(func, "namespace", "aten") in _SKIP_NAMESPACES or getattr(func, "is_view", False):
+        namespace = getattr(func, "namespace", "aten")
+        if namespace in COLLECTIVE_NAMESPACES:
+            staged = staging_bytes(func, args)
+            if staged:
+                tracer.add_scratch(staged, f"gloo staging of {func}", transient=True)
+            return
+        if namespace in _SKIP_NAMESPACES or getattr(func, "is_view", False):
             return
         key, _, _ = self._key(func, args, kwargs)
         self._scratch.append((tracer.add_scratch(0, f"cpu scratch of {func}", transient=True), key))

@@ -71,6 +71,7 @@ def run_steps(
     mark: Marker = _no_marker,
     set_grads_to_none: bool = True,
     micro_batches: int = 1,
+    loss_context: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> None:
     """Run ``steps`` full training steps: batch, forward + loss, backward, optimizer step, zero_grad.
 
@@ -85,17 +86,21 @@ def run_steps(
             between steps (torch < 2.0's default, and older training loops').
         micro_batches: forward + backward passes per optimizer step (gradient accumulation): the
             second and later find the gradients of the earlier ones alive.
+        loss_context: factory of a context around each forward and its backward (tensor parallelism's
+            ``loss_parallel``, ``memory/parallel.py``).
     """
     batch = loss = None
+    around = loss_context or contextlib.nullcontext
     for step in range(steps):
         for _ in range(micro_batches):
             mark("batch", step)
             batch = make_batch()
             mark("forward", step)
-            with autocast() if autocast is not None else contextlib.nullcontext():
+            with around(), autocast() if autocast is not None else contextlib.nullcontext():
                 loss = loss_for_backward(loss_fn(model, batch))
             mark("backward", step)
-            loss.backward()
+            with around():
+                loss.backward()
         mark("optimizer", step)
         optimizer.step()
         mark("zero_grad", step)
@@ -187,7 +192,20 @@ def run_workload_steps(
         mark=mark,
         set_grads_to_none=workload.set_grads_to_none,
         micro_batches=min(max(int(getattr(workload, "accumulation_steps", 1)), 1), 2),  # see Workload
+        loss_context=_loss_context(workload, model),
     )
+
+
+def _loss_context(workload: Any, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """``loss_parallel`` around forward and backward when the workload's layout splits its loss."""
+    layout = getattr(workload, "parallel", None)
+    if layout is None or layout.tensor_parallel <= 1:
+        return None
+    from functools import partial
+
+    from .parallel import loss_context, splits_the_loss
+
+    return partial(loss_context, splits_the_loss(model, layout, workload.tp_plan))
 
 
 @contextlib.contextmanager

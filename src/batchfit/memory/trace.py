@@ -88,7 +88,8 @@ def trace_workload(
 
     if depth is not None:
         depth.prepare(workload, param_dtype)
-    with fake_session() as values:
+    layout = getattr(workload, "parallel", None)
+    with _one_rank(layout) as mesh, fake_session() as values:
         with default_dtype(param_dtype):
             model, notes = _build(workload, param_dtype, depth)
             apply_checkpointing(model, checkpoint_classes)
@@ -97,6 +98,11 @@ def trace_workload(
                 notes.append("lazy modules were initialised by one forward pass on a batch of one item")
         if depth is not None:
             depth.apply(model)
+        if mesh is not None:
+            from .parallel import apply_layout_traced
+
+            apply_layout_traced(model, layout, mesh, workload.tp_plan)
+            notes.append(f"one rank of {layout.describe()} ({layout.world_size} GPUs), traced on a fake process group")
         optimizer = _make_optimizer(workload, model)
         if foreach_optimizer and prefer_foreach(optimizer):
             notes.append("capturable=True: traced without it (CPU tensors refuse it); its step counters are counted")
@@ -130,6 +136,13 @@ def _build(workload: Workload, param_dtype: torch.dtype | None, depth: Any) -> t
             values.notes = before
         return build_fake_model(workload, param_dtype)
     return model, notes
+def _one_rank(layout: Any) -> contextlib.AbstractContextManager:
+    """Rank 0 of ``layout``'s fake process group, yielding its mesh (None: a whole step, no group)."""
+    if layout is None or layout.world_size <= 1:
+        return contextlib.nullcontext()
+    from .parallel import fake_world
+
+    return fake_world(layout)
 
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from ..workload import model_tensors, optimizer_tensors, trainable_parameters
 from .categories import Category
 from .flops import op_flops
-from .tracker import RoleBook, StorageTracker
+from .tracker import RoleBook, StorageTracker, local_tensor
 
 OUTSIDE = "(outside modules)"
 _OP_NAMES: dict[Any, str] = {}
@@ -83,6 +83,32 @@ class MemoryTrace:
                 break
             current = (phase, step)
         return current
+
+
+@contextlib.contextmanager
+def storage_resizes(resized: Callable[[Any, int], None]) -> Iterator[None]:
+    """Report every ``UntypedStorage.resize_`` to ``resized(storage, nbytes)`` (install, then restore).
+
+    A resize swaps a storage's memory without making a new storage, so no op output shows it: FSDP2
+    frees a unit's unsharded parameters with ``resize_(0)`` and gets them back with ``resize_(n)``.
+    """
+    cls = torch.UntypedStorage
+    own = cls.__dict__.get("resize_")  # torch's is inherited from torch._C.StorageBase
+    original = cls.resize_
+
+    def resize_(storage: Any, size: int) -> Any:
+        out = original(storage, size)
+        resized(storage, storage.nbytes())
+        return out
+
+    cls.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.resize_
+        else:
+            cls.resize_ = own  # type: ignore[method-assign]
 
 
 class Tracer:
@@ -285,7 +311,8 @@ class Tracer:
     def _grad_hook(self, p: torch.Tensor) -> None:
         if p.grad is not None:
             tracker = self._tracker
-            sid = tracker.register(p.grad)
+            grad = local_tensor(p.grad)  # a DTensor's local shard (NOTE [ Wrapper tensors ])
+            sid = tracker.register(grad)
             # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
             # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
             node = torch._C._current_autograd_node()
@@ -294,17 +321,20 @@ class Tracer:
             # (a parameter concatenated with activations) frees with the buffer, not at hand-over.
             dense = (
                 sid is not None
-                and p.grad.layout == torch.strided
-                and p.grad.untyped_storage().nbytes() == p.grad.numel() * p.grad.element_size()
+                and grad.layout == torch.strided
+                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
             )
             made_in = self.trace.module.get(sid, OUTSIDE) if sid is not None else OUTSIDE
             self.trace.grads.append((len(self.trace.events), sid if dense else None, copied, made_in))
             self._roles.mark(sid, Category.GRADIENTS)
             self._own(sid, p)
-            self._note_rows(p.grad)
+            self._note_rows(grad)
 
     def _note_rows(self, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
         """Record ``t``'s dim-0 length when its storage holds exactly ``t`` (and ``t`` has ``like``'s shape)."""
+        t = local_tensor(t)
+        if like is not None:
+            like = local_tensor(like)
         if t.dim() == 0 or (like is not None and t.shape != like.shape):
             return
         sid = self._tracker.storage_id(t)
@@ -378,6 +408,7 @@ class Tracer:
         handle = self.optimizer.register_step_post_hook(self._step_hook)
         stack.callback(handle.remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        stack.enter_context(storage_resizes(self._tracker.resized))
         stack.callback(register_module_forward_pre_hook(self._pre_forward).remove)
         stack.callback(register_module_forward_hook(self._post_forward, always_call=True).remove)
         return self

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ..errors import TraceError
@@ -28,6 +28,21 @@ from .categories import Category, stronger
 
 _PRIM_DEVICE = torch.ops.prim.device.default
 _ADD = torch.ops.aten.add.Tensor
+
+
+# NOTE [ Waiting on a collective returns its tensor ]
+# ``_c10d_functional.wait_tensor`` waits for the collective that writes its argument and returns that
+# same tensor (``Functional.cpp``: ``wait_tensor`` returns ``tensor``), but its fake kernel returns a new
+# one (``empty_like``), which a trace would count as one more collective-sized buffer alive until the
+# argument dies. The op is run (the fake work is waited for and unregistered) and its argument
+# returned, as the real op does.
+def _alias_ops() -> frozenset:
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    wait = getattr(functional, "wait_tensor", None) if functional is not None else None
+    return frozenset({wait.default}) if wait is not None else frozenset()
+
+
+_RETURNS_ARGUMENT = _alias_ops()
 
 
 # NOTE [ Gradient accumulation inside the autograd engine ]
@@ -165,11 +180,19 @@ class StorageTracker(TorchDispatchMode):
 
     # -- registration -------------------------------------------------------------------------
     def storage_id(self, t: torch.Tensor) -> int | None:
-        """The id of ``t``'s storage if it is tracked, else None."""
-        return self._ids.get(id(t.untyped_storage()))
+        """The id of ``t``'s storage if it is tracked, else None (a DTensor's: its local tensor's)."""
+        return self._ids.get(id(local_tensor(t).untyped_storage()))
 
     def register(self, t: torch.Tensor) -> int | None:
-        """Track ``t``'s storage (idempotent); returns its id, or None for empty storages."""
+        """Track ``t``'s storage (idempotent); returns its id, or None for empty storages.
+
+        A tensor subclass that wraps others (a ``DTensor`` and its local shard) holds no memory of its
+        own: its inner tensors are registered instead (see NOTE [ Wrapper tensors ]).
+        """
+        inner = inner_tensors(t)
+        if inner is not None:
+            sids = [self.register(x) for x in inner]
+            return next((sid for sid in sids if sid is not None), None)
         try:
             st = t.untyped_storage()
         except NotImplementedError:
@@ -183,6 +206,11 @@ class StorageTracker(TorchDispatchMode):
         nbytes = st.nbytes()
         if nbytes == 0:  # no allocation: allocators hand out a null pointer for 0 bytes
             return None
+        return self._born(st, nbytes)
+
+    def _born(self, st: Any, nbytes: int) -> int:
+        """A new storage id for ``st``'s ``nbytes``, reported to ``on_alloc``."""
+        key = id(st)
         sid = self._next_id
         self._next_id += 1
         self._ids[key] = sid
@@ -195,6 +223,31 @@ class StorageTracker(TorchDispatchMode):
         self._refs[sid] = weakref.ref(st, partial(self._freed, key, sid))
         self._on_alloc(sid, nbytes)
         return sid
+
+    def resized(self, storage: Any, nbytes: int) -> None:
+        """``storage`` (tracked or not) now holds ``nbytes``: its old bytes are freed and new ones allocated.
+
+        ``UntypedStorage.resize_`` keeps the storage object and swaps its memory (the CPU allocator
+        allocates the new block, copies, then frees the old one: ``resize_bytes_cpu``), which is how
+        FSDP2 frees a unit's unsharded parameters after use and brings them back for the next
+        all-gather (``free_storage`` / ``alloc_storage`` in ``torch/distributed/fsdp/_fully_shard``).
+        """
+        key = id(storage)
+        old = self._ids.get(key)
+        if old is not None and self.live_bytes.get(old) == nbytes:
+            return
+        self.current_func = "UntypedStorage.resize_"
+        if nbytes > 0:
+            self._born(storage, nbytes)
+        elif old is not None:
+            del self._ids[key]
+        self.current_func = None
+        if old is not None:
+            self._refs.pop(old, None)
+            self._born_in.pop(old, None)
+            self._zeros.discard(old)
+            if self.live_bytes.pop(old, None) is not None:
+                self._on_free(old)
 
     def _freed(self, key: int, sid: int, _ref: Any = None) -> None:
         self._refs.pop(sid, None)
@@ -222,6 +275,8 @@ class StorageTracker(TorchDispatchMode):
         old, new = args
         if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
             return None
+        if inner_tensors(old) is not None:  # DTensor gradients: the engine adds subclasses out of place
+            return None
         if old.shape != new.shape or old.dtype != new.dtype or _use_counts(old) != self._accumulation:
             return None
         old_sid, new_sid = self.storage_id(old), self.storage_id(new)
@@ -245,6 +300,9 @@ class StorageTracker(TorchDispatchMode):
             accumulated = self._engine_accumulation(args)
             if accumulated is not None:
                 return accumulated
+        elif func in _RETURNS_ARGUMENT:
+            call(func, args, kwargs)
+            return args[0]
         elif func in _TWINS:
             filled = self._composite_fill(func, args, kwargs)
             if filled is not None:
@@ -277,6 +335,39 @@ class StorageTracker(TorchDispatchMode):
             self.current_out = None
         self.current_func = None
         return out
+
+
+# NOTE [ Wrapper tensors ]
+# A ``DTensor`` (tensor and sequence parallelism, FSDP2's sharded parameters) is a wrapper subclass:
+# the Python object has the *global* shape and no memory of its own, and one plain tensor inside
+# (``_local_tensor``, ``__tensor_flatten__``) holds this rank's bytes. A dispatch mode sees an op on
+# DTensors first; the fake mode declines it (``NotImplemented``), DTensor's own dispatch then runs the
+# op on the local tensors, and those local ops come back through the mode like any other op. So the
+# storages a rank allocates are the local tensors', and wherever a hook hands the tracker a DTensor (a
+# parameter, its gradient, an optimizer state, a tensor saved for backward) the local tensor is what
+# is counted.
+_WRAPPERS: dict[type, bool] = {}
+"""Whether each tensor type seen is a wrapper subclass (asked once per type: this is on every op's path)."""
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors a wrapper subclass holds (None: ``t`` holds its own storage)."""
+    wraps = _WRAPPERS.get(type(t))
+    if wraps is None:
+        wraps = _WRAPPERS[type(t)] = is_traceable_wrapper_subclass(t)
+    if not wraps:
+        return None
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the first tensor a wrapper subclass holds (a DTensor's local shard)."""
+    inner = inner_tensors(t)
+    while inner:
+        t = inner[0]
+        inner = inner_tensors(t)
+    return t
 
 
 def sparse_tensor_error() -> TraceError:

@@ -14,7 +14,12 @@ differ between them and states its assumptions:
 - communication, unoverlapped: data parallelism all-reduces the gradients once per optimizer step (a
   ring moves ``2 (n - 1) / n`` of them); FSDP all-gathers the parameters in forward and again in
   backward and reduce-scatters the gradients, once per micro-batch (``(n - 1) / n`` of the full size
-  each), over the assumed interconnect.
+  each), over the assumed interconnect;
+- tensor parallelism, unoverlapped, over the node's NVLink: the collectives of one rank's traced step
+  as they were traced (their output bytes, forward and backward: an all-reduce moves ``2 (n - 1) / n``
+  of its tensor, an all-gather ``(n - 1) / n`` of its output, a reduce-scatter ``n - 1`` of its
+  output), once per micro-batch; FSDP then shards each rank's ``1 / n`` of the parameters across the
+  groups, over the assumed interconnect.
 
 Each micro-batch pays compute + traffic; the accumulation count multiplies it. The result is a
 prediction for ranking, not a measurement; ``batchfit sweep`` measures.
@@ -114,8 +119,18 @@ def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
     optimizer step; the time model multiplies by the plan's own count, so the trace's is divided out.
     """
     flops = sum(n for (phase, s), n in trace.flops.items() if s == step and phase in ("forward", "backward"))
-    micro = max(1, sum(1 for _, name, s in trace.phases if s == step and name == "forward"))
-    allocated, phase = 0, ""
+    allocated = sum(trace.nbytes[sid] for sid in _forward_backward_allocations(trace, step))
+    micro = _micro_batches(trace, step)
+    return flops // micro, allocated // micro
+
+
+def _micro_batches(trace: Any, step: int) -> int:
+    return max(1, sum(1 for _, name, s in trace.phases if s == step and name == "forward"))
+
+
+def _forward_backward_allocations(trace: Any, step: int) -> Any:
+    """The storage ids allocated in the forward and backward phases of ``step``, in order."""
+    phase = ""
     bounds = [(start, name, s) for start, name, s in trace.phases]
     k = 0
     for i, e in enumerate(trace.events):
@@ -123,8 +138,7 @@ def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
             phase = bounds[k][1] if bounds[k][2] == step else ""
             k += 1
         if e >= 0 and phase in ("forward", "backward"):
-            allocated += trace.nbytes[e]
-    return flops // micro, allocated // micro
+            yield e
 
 
 def predict_step_time(
@@ -137,27 +151,55 @@ def predict_step_time(
     sharded: bool = False,
     interconnect: Interconnect | str = Interconnect.nvlink,
     state_bytes: tuple[int, int, int] = (0, 0, 0),
+    tensor_parallel: int = 1,
 ) -> StepTime:
     """The predicted time of one optimizer step (see NOTE [ A time model to rank configurations ]).
 
     Args:
-        trace: the traced step of one micro-batch in this configuration (one rank's, unsharded).
+        trace: the traced step of one micro-batch in this configuration (one rank's: unsharded under
+            FSDP alone, the rank of its layout under tensor parallelism).
         micro_batches: micro-batches per optimizer step on the busiest rank.
         state_bytes: ``(parameters, gradients, optimizer states)`` of the whole model, in bytes.
+        tensor_parallel: GPUs of one tensor-parallel group (the trace is then one of its ranks).
     """
     flops, traffic = step_traffic(trace)
     peak, bandwidth = _peak_flops(device, precision), _bandwidth(device)
     compute = micro_batches * flops / (peak * MATMUL_EFFICIENCY)
     memory = micro_batches * 2 * traffic / (bandwidth * BANDWIDTH_EFFICIENCY)
     params, grads, states = state_bytes
-    shards = gpus if sharded else 1
+    tp = max(1, tensor_parallel)
+    groups = gpus // tp  # the data-parallel ranks
+    shards = (groups if sharded else 1) * tp
     optimizer = (2 * params + 2 * grads + 2 * states) / shards / (bandwidth * BANDWIDTH_EFFICIENCY)
     link = link_gbps(device, interconnect) * 1e9
     comm = 0.0
-    if gpus > 1:
-        share = (gpus - 1) / gpus
+    if groups > 1:
+        share = (groups - 1) / groups
         if sharded:
-            comm = micro_batches * share * (2 * params + grads) / link
+            comm = micro_batches * share * (2 * params + grads) / tp / link
         else:
-            comm = 2 * share * grads / link
+            comm = 2 * share * grads / tp / link
+    if tp > 1:
+        comm += micro_batches * tensor_parallel_bytes(trace, tp) / (link_gbps(device, Interconnect.nvlink) * 1e9)
     return StepTime(compute, memory, optimizer, comm)
+
+
+_TP_TRAFFIC = (
+    ("_c10d_functional.all_reduce", lambda n: 2 * (n - 1) / n),
+    ("_c10d_functional.all_gather_into_tensor", lambda n: (n - 1) / n),
+    ("_c10d_functional.reduce_scatter_tensor", lambda n: n - 1),
+)
+"""Bytes a rank sends per output byte of each traced collective of a group of ``n`` (ring algorithms)."""
+
+
+def tensor_parallel_bytes(trace: Any, tensor_parallel: int, step: int = 1) -> float:
+    """Bytes one rank sends in the traced collectives of one micro-batch's forward and backward (the
+    functional collectives DTensor runs; FSDP's own are counted from the state bytes)."""
+    sent = 0.0
+    for sid in _forward_backward_allocations(trace, step):
+        op = trace.op.get(sid, "")
+        for prefix, factor in _TP_TRAFFIC:
+            if op.startswith(prefix):
+                sent += trace.nbytes[sid] * factor(tensor_parallel)
+                break
+    return sent / _micro_batches(trace, step)

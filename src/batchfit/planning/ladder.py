@@ -16,11 +16,14 @@ from ..gpu.catalog import Device
 # Accumulation is free for the maths, so every configuration first splits the global batch into
 # micro-batches. Beyond it, each remedy costs the user something, and they are tried cheapest first:
 # mixed precision (autocast, fp32 master weights: faster, numerically standard), sharding across the
-# GPUs given (communication), activation checkpointing (a recomputed forward, ~30% more time), and last
+# GPUs given (communication), activation checkpointing (a recomputed forward, ~30% more time), tensor
+# parallelism inside a node (collectives in every layer, forward and backward, on the critical path;
+# smaller degrees first, each with sequence parallelism first: the same traffic, less memory), and last
 # bf16 weights and optimizer states (a change to the training maths, chosen only when nothing else fits).
 # A configuration's cost is its remedies' ranks, most expensive first, compared as tuples: mixed
 # precision alone (1) < sharding (2) < sharding with mixed precision (2, 1) < checkpointing (3) < ...
-_RANK = {"autocast": 1, "sharding": 2, "checkpointing": 3, "bf16-true": 4}
+# Tensor parallelism always comes with FSDP across the tensor-parallel groups (PyTorch's 2-D recipe).
+_RANK = {"autocast": 1, "sharding": 2, "checkpointing": 3, "tensor parallel": 4, "bf16-true": 5}
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,41 @@ class _Config:
     sharded: bool
     remedies: tuple[str, ...]
     cost: tuple[int, ...]
+    tensor_parallel: int = 1
+    """GPUs of one tensor-parallel group (1: none); FSDP shards across the groups when there are several."""
+    sequence_parallel: bool = False
+    widest: int = 1
+    """The largest tensor-parallel degree of the ladder (NOTE [ The most split layout first ])."""
+    widest_sp: bool = False
+    """Whether the ladder's layouts include sequence parallelism (the most split ones do then)."""
+
+    def data_parallel(self, gpus: int) -> int:
+        """Ranks that take different items of the global batch: the tensor-parallel groups."""
+        return gpus // self.tensor_parallel
+
+    def arithmetic_shards(self, gpus: int) -> int:
+        """GPUs FSDP's shards are derived over from a whole step's trace (``memory/sharding.py``): FSDP
+        alone; under tensor parallelism one rank's step, FSDP included, is traced instead."""
+        return gpus if self.sharded and self.tensor_parallel == 1 else 1
+
+    def layout(self, gpus: int) -> Any:
+        """The ``ParallelLayout`` one rank of this configuration is traced in (None: no tensor parallelism)."""
+        if self.tensor_parallel <= 1:
+            return None
+        from ..workload import ParallelLayout
+
+        return ParallelLayout(self.tensor_parallel, self.sequence_parallel, fsdp=self.data_parallel(gpus))
 
 
-def _ladder(device: Device, gpus: int, precision: str | None, checkpointing: Any, has_blocks: bool) -> list[_Config]:
-    """Every configuration the plan may choose, cheapest remedies first (NOTE above)."""
+def _ladder(
+    device: Device, gpus: int, precision: str | None, checkpointing: Any, has_blocks: bool,
+    tp_degrees: tuple[int, ...] = (), sequence_parallel: bool | None = None,
+) -> list[_Config]:  # fmt: skip
+    """Every configuration the plan may choose, cheapest remedies first (NOTE above).
+
+    ``tp_degrees``: the tensor-parallel degrees to try (each divides the model's heads, a node and the
+    GPUs); ``sequence_parallel`` fixes sequence parallelism for them (None: with it, then without).
+    """
     low = "bf16" if device.bf16 else "fp16"
     precisions = ["fp32", low] + (["bf16-true"] if device.bf16 else [])
     if precision is not None:
@@ -42,10 +76,13 @@ def _ladder(device: Device, gpus: int, precision: str | None, checkpointing: Any
         ck_options: list[Any] = [None] + (["blocks"] if has_blocks else [])
     else:
         ck_options = [checkpointing or None]
+    layouts: list[tuple[int, bool, bool]] = [(1, False, False)] + ([(1, False, True)] if gpus > 1 else [])
+    sp_options = [True, False] if sequence_parallel is None else [bool(sequence_parallel)]
+    layouts += [(d, sp, gpus > d) for d in tp_degrees for sp in sp_options]
     configs = []
     for prec in precisions:
         for ck in ck_options:
-            for sharded in [False, True] if gpus > 1 else [False]:
+            for degree, sp, sharded in layouts:
                 used: list[tuple[int, str]] = []
                 if precision is not None:  # the user's own precision: not a remedy the plan applied
                     pass
@@ -57,7 +94,31 @@ def _ladder(device: Device, gpus: int, precision: str | None, checkpointing: Any
                     used.append((_RANK["sharding"], "FSDP sharding"))
                 if ck is not None:
                     used.append((_RANK["checkpointing"], "activation checkpointing"))
+                if degree > 1:
+                    used.append((_RANK["tensor parallel"], tensor_parallel_remedy(degree, sp)))
                 used.sort()
                 remedies = tuple(name for _, name in used)
-                configs.append(_Config(prec, ck, sharded, remedies, tuple(sorted((r for r, _ in used), reverse=True))))
-    return sorted(configs, key=lambda c: c.cost)
+                cost = tuple(sorted((r for r, _ in used), reverse=True))
+                widest = max(tp_degrees, default=1)
+                configs.append(_Config(prec, ck, sharded, remedies, cost, degree, sp, widest, True in sp_options))
+    return sorted(configs, key=lambda c: (c.cost, c.tensor_parallel, not c.sequence_parallel))
+
+
+# NOTE [ The most split layout first ]
+# A 70B model at 32k tokens takes about a minute to trace per tensor-parallel layout on a CPU, and for a
+# given precision and checkpointing most layouts do not fit even one item. Each rank's memory only falls
+# as the degree grows and with sequence parallelism (parameters, gradients, states and the planned
+# layers' activations are split further; the gathered sequence is the same size), so before any
+# tensor-parallel layout is fitted, the most split one of its precision and checkpointing (the widest
+# degree, with sequence parallelism where the ladder has it) is traced at one item: when even that does
+# not fit, none of them does, and the others are skipped untraced. A layout that passes is fitted as usual.
+def most_split(config: _Config) -> _Config:
+    """The most split tensor-parallel layout with ``config``'s precision and checkpointing."""
+    import dataclasses
+
+    return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=config.widest_sp)
+
+
+def tensor_parallel_remedy(degree: int, sequence_parallel: bool) -> str:
+    """The remedy's name: ``tensor parallel 8 + sequence parallel``."""
+    return f"tensor parallel {degree}" + (" + sequence parallel" if sequence_parallel else "")

@@ -42,7 +42,7 @@ def with_article(name: str) -> str:
 
 def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
     """One line naming where it would fit: the smallest catalog GPU, or enough GPUs to shard over."""
-    unsharded = [r for r in rungs if not r.sharded] or rungs
+    unsharded = [r for r in rungs if not r.sharded and r.tensor_parallel == 1] or rungs
     prec, ck = unsharded[-1].precision, unsharded[-1].checkpointing
     where = []
     for other in catalog():
@@ -88,8 +88,9 @@ def _fewest_items(wl: Any, dev: Device, rung: _Config) -> tuple[str, str]:
     return "one item", ""
 
 
-def describe_split(splits: list[list[int]]) -> str:
-    """``"42 x 11 + 5 x 10"`` per rank, ranks with the same split written once (``"2 ranks: ..."``)."""
+def describe_split(splits: list[list[int]], ranks: str = "ranks") -> str:
+    """``"42 x 11 + 5 x 10"`` per rank, ranks with the same split written once (``"2 ranks: ..."``);
+    ``ranks`` names them (``"groups"``: tensor-parallel groups, each one data-parallel rank)."""
 
     def runs(split: list[int]) -> str:
         parts, i = [], 0
@@ -106,8 +107,9 @@ def describe_split(splits: list[list[int]]) -> str:
         groups.setdefault(runs(split), []).append(rank)
     if len(groups) == 1:
         (text,) = groups
-        return text if len(splits) == 1 else f"each of {len(splits)} ranks: {text}"
+        return text if len(splits) == 1 else f"each of {len(splits)} {ranks}: {text}"
+    one = ranks[:-1]
     return "; ".join(
-        f"ranks {ranks[0]}-{ranks[-1]}: {text}" if len(ranks) > 1 else f"rank {ranks[0]}: {text}"
-        for text, ranks in groups.items()
+        f"{ranks} {ids[0]}-{ids[-1]}: {text}" if len(ids) > 1 else f"{one} {ids[0]}: {text}"
+        for text, ids in groups.items()
     )

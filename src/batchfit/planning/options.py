@@ -18,7 +18,7 @@ from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device
 from ..memory.estimate import Estimate, with_accumulation
 from .fit import FitResult, fit
-from .ladder import _Config
+from .ladder import _Config, most_split
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class PlanOption:
     """Predicted seconds per optimizer step (one global batch), see ``batchfit.planning.cost``."""
     changes_numerics: bool = False
     """Weights and optimizer states in bf16: a change to the training maths, not only to its memory."""
+    tensor_parallel: int = 1
+    """GPUs of one tensor-parallel group (1: none); the micro-batch is per group."""
+    sequence_parallel: bool = False
 
 
 def _by_time(option: PlanOption) -> float:
@@ -65,8 +68,18 @@ def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) ->
         states = state_bytes(wl, policy.param_dtype)
     except TraceError:  # an optimizer that cannot step on zero gradients: no bound; its fit will say why
         return True
-    held = states.sharded(gpus) if config.sharded else states.total
+    held = states.sharded(gpus) if config.sharded or config.tensor_parallel > 1 else states.total
     return held + dev.context_bytes <= budget
+
+
+def config_workload(wl: Any, config: _Config, gpus: int) -> Any:
+    """``wl`` as one rank of ``config`` runs it: its ``ParallelLayout`` set under tensor parallelism."""
+    layout = config.layout(gpus)
+    if layout is None:
+        return wl
+    import dataclasses
+
+    return dataclasses.replace(wl, parallel=layout)
 
 
 def _fit_config(
@@ -98,7 +111,10 @@ def _fit_config_uncached(
     wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Any = None,
 ) -> _Fitted | None:  # fmt: skip
-    shards = gpus if config.sharded else 1
+    if config.tensor_parallel > 1 and not one_item_fits(wl, dev, most_split(config), gpus, margin, progress):
+        return None  # NOTE [ The most split layout first ]
+    wl = config_workload(wl, config, gpus)
+    shards = config.arithmetic_shards(gpus)
     kwargs = dict(precision=config.precision, checkpointing=config.checkpointing, margin=margin,
                   shard_over=shards, verify=verify, max_batch_size=share, progress=progress)  # fmt: skip
     if share == 1 or wl.accumulation_steps > 1:
@@ -122,11 +138,22 @@ def _fit_config_uncached(
     if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
         ck = config.checkpointing
         announce = None if progress is None else lambda: progress(f"tracing a step of {share} items as one micro-batch")
-        whole = fit_estimate_at(wl, dev, config.precision, ck, config.sharded, gpus=shards, batch_size=share,
+        whole = fit_estimate_at(wl, dev, config.precision, ck, shards > 1, gpus=shards, batch_size=share,
                                 announce=announce)  # fmt: skip
         if whole.device_total_bytes <= result.capacity_bytes:
             return _Fitted(config, dataclasses.replace(result, max_batch_size=share, estimate=whole), wl)
     return None if result is None else _Fitted(config, result, accumulating)
+
+
+def one_item_fits(wl: Any, dev: Device, config: _Config, gpus: int, margin: float, progress: Any = None) -> bool:
+    """Whether one rank of ``config`` fits a step of one item (one trace, kept with the others)."""
+    budget = int((dev.total_bytes or 0) * (1 - margin))
+    announce = None if progress is None else lambda: progress(
+        f"tracing a step of 1 item as {', '.join(config.remedies)}, the most split layout"
+    )  # fmt: skip
+    est = fit_estimate_at(config_workload(wl, config, gpus), dev, config.precision, config.checkpointing, False, 1,
+                          batch_size=1, announce=announce)  # fmt: skip
+    return est.device_total_bytes <= budget
 
 
 def _may_fit_whole(
@@ -175,7 +202,7 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
     from .cost import predict_step_time
 
     result, config = fitted.result, fitted.config
-    splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=config.sharded)
+    splits = plan_splits(config, global_batch_size, gpus, result.max_batch_size)
     micro = max(max(s) for s in splits)
     steps = max(len(s) for s in splits)
     trace = result.trace_at(micro)
@@ -185,7 +212,7 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
         states = state_bytes(fitted.workload, policy.param_dtype)
         seconds = predict_step_time(
             trace, dev, precision=config.precision, micro_batches=steps, gpus=gpus, sharded=config.sharded,
-            interconnect=interconnect, state_bytes=states.as_tuple(),
+            interconnect=interconnect, state_bytes=states.as_tuple(), tensor_parallel=config.tensor_parallel,
         ).total_s  # fmt: skip
     total = result.estimate.device_total_bytes
     return PlanOption(
@@ -200,7 +227,16 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
         remedies=config.remedies,
         predicted_step_s=seconds,
         changes_numerics=config.precision == "bf16-true" and "bf16 weights and optimizer states" in config.remedies,
+        tensor_parallel=config.tensor_parallel,
+        sequence_parallel=config.sequence_parallel,
     )
+
+
+def plan_splits(config: _Config, global_batch_size: int, gpus: int, micro_batch_size: int) -> list[list[int]]:
+    """Micro-batch sizes per data-parallel rank (a tensor-parallel group is one: its ranks run the same
+    items); every rank runs as many micro-batches under FSDP, whose every micro-batch is a collective."""
+    same = config.sharded or config.tensor_parallel > 1
+    return make_splits(global_batch_size, config.data_parallel(gpus), micro_batch_size, same_count=same)
 
 
 def fit_estimate_at(

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching import make_splits, rank_shares
+from ..batching import rank_shares
 from ..errors import ConfigError, TraceError
-from ..gpu.catalog import Device, get_device
+from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.estimate import Estimate, _as_workload
 from .ladder import _ladder
 from .messages import _nothing_fits, _warnings, describe_split
-from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at
+from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
 from .parallel import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
@@ -48,7 +48,8 @@ class Plan:
     sharded: bool
     """Parameters, gradients and optimizer states sharded across GPUs (FSDP)."""
     splits: list[list[int]]
-    """For each rank, the micro-batch sizes of one optimizer step (they sum to the global batch)."""
+    """For each data-parallel rank (each GPU, or each tensor-parallel group), the micro-batch sizes of one
+    optimizer step (they sum to the global batch)."""
     max_micro_batch_size: int
     """The largest micro-batch that fits, searched no further than a rank's share of the global batch."""
     estimate: Estimate
@@ -70,6 +71,25 @@ class Plan:
     """The interconnect the time predictions assume between GPUs."""
     changes_numerics: bool = False
     """The plan keeps weights and optimizer states in bf16 (chosen only because nothing else fits)."""
+    tensor_parallel: int = 1
+    """GPUs of one tensor-parallel group (1: none). The groups are the data-parallel ranks: ``splits``
+    has one entry per group, and FSDP shards across them when there are several."""
+    sequence_parallel: bool = False
+    """The blocks' activations are split along the sequence inside each tensor-parallel group."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that take different items: the GPUs, or the tensor-parallel groups."""
+        return self.gpus // self.tensor_parallel
+
+    @property
+    def layout(self) -> Any:
+        """The ``ParallelLayout`` a rank trains in (None: no tensor parallelism)."""
+        if self.tensor_parallel <= 1:
+            return None
+        from ..workload import ParallelLayout
+
+        return ParallelLayout(self.tensor_parallel, self.sequence_parallel, fsdp=self.data_parallel)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict with every field (the estimate and alternatives as dicts)."""
@@ -96,6 +116,9 @@ class Plan:
             "predicted_step_s": self.predicted_step_s,
             "interconnect": self.interconnect,
             "changes_numerics": self.changes_numerics,
+            "tensor_parallel": self.tensor_parallel,
+            "sequence_parallel": self.sequence_parallel,
+            "data_parallel": self.data_parallel,
         }
 
 
@@ -130,12 +153,18 @@ def plan(
     interconnect: str = "nvlink",
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
+    tensor_parallel: int | None = None,
+    sequence_parallel: bool | None = None,
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> Plan:
     """Plan ``global_batch_size`` items per optimizer step on ``gpus`` GPUs of ``device``.
 
     With ``precision`` and ``checkpointing`` left None, configurations are tried cheapest remedies
     first (NOTE [ Remedies ranked by what they cost ] in ``planning/ladder.py``): accumulation alone,
-    mixed precision, FSDP sharding across the GPUs, activation checkpointing, bf16 weights and
+    mixed precision, FSDP sharding across the GPUs, activation checkpointing, tensor parallelism inside
+    a node (degrees 2, 4, 8 that split the model's heads, with and without sequence parallelism, FSDP
+    across the groups; for models with a tensor-parallel plan: ``Workload.tp_plan`` or the one a
+    transformers model publishes), bf16 weights and
     optimizer states; the first that fits is the plan, and up to ``ALTERNATIVES`` more that fit are
     shown beside it, fastest first, each with its memory and predicted time per global batch
     (``batchfit.planning.cost``; GPUs talk over ``interconnect``: nvlink, pcie or ib). A configuration whose
@@ -144,9 +173,13 @@ def plan(
     (default: the cores available, or ``BATCHFIT_WORKERS``), the configurations after the first are
     fitted at the same time in forked processes (``planning/parallel.py``); the plan is the same.
 
+    ``tensor_parallel`` fixes the degree (1: none) and ``sequence_parallel`` fixes sequence parallelism;
+    ``gpus_per_node`` bounds the degree (a tensor-parallel group stays inside one node's NVLink).
+
     Raises:
         ConfigError: a global batch or GPU count below 1, fewer items than GPUs, a device with no
-            capacity, an unknown interconnect.
+            capacity, an unknown interconnect, a tensor-parallel degree that does not divide the
+            model's heads, a node or the GPUs (the line names the valid degrees).
         DoesNotFitError: nothing fits; the message names the smallest catalog GPU (or GPU count)
             on which it would.
 
@@ -169,8 +202,14 @@ def plan(
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
     link_gbps(dev, interconnect)  # an unknown interconnect fails here, not after the fits
     n_workers = resolve_workers(workers)
-    configs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks))
-    share = rank_shares(global_batch_size, gpus)[0]
+    degrees, sequence_parallel = _tensor_parallel_degrees(wl, gpus, tensor_parallel, sequence_parallel, gpus_per_node)
+    configs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks), degrees, sequence_parallel)
+    if tensor_parallel is not None:
+        configs = [c for c in configs if c.tensor_parallel == max(1, tensor_parallel)]
+
+    def share_of(config: Any) -> int:
+        return rank_shares(global_batch_size, config.data_parallel(gpus))[0]
+
     budget = int(dev.total_bytes * (1 - margin))
     chosen: _Fitted | None = None
     options: list[tuple[_Fitted, PlanOption]] = []
@@ -190,7 +229,8 @@ def plan(
 
     def fit_later(config: Any, progress: Callable[[str], None] | None = None) -> None:
         with contextlib.suppress(TraceError):  # raised again, and reported, when the loop reaches it
-            _fit_config(wl, dev, config, gpus, share, margin, verify=False, progress=labelled(config, progress))
+            _fit_config(wl, dev, config, gpus, share_of(config), margin, verify=False,
+                        progress=labelled(config, progress))  # fmt: skip
 
     # A configuration whose step cannot be traced (a model whose ops mix dtypes under autocast) is left
     # out, and said so, once another configuration's step has run; the first step traced failing is the
@@ -210,7 +250,8 @@ def plan(
                     continue
                 ahead.wait(config, lambda later: fit_later(later, progress))
                 step = labelled(config, progress)
-                fitted = _fit_config(wl, dev, config, gpus, share, margin, verify=chosen is None, progress=step)
+                fitted = _fit_config(wl, dev, config, gpus, share_of(config), margin, verify=chosen is None,
+                                     progress=step)  # fmt: skip
             except TraceError as e:
                 if not traced:
                     raise
@@ -226,15 +267,16 @@ def plan(
     if chosen is None:
         raise _nothing_fits(wl, dev, gpus, configs)
     result, config, fitted_wl = chosen.result, chosen.config, chosen.workload
-    splits = make_splits(global_batch_size, gpus, result.max_batch_size, same_count=config.sharded)
+    splits = plan_splits(config, global_batch_size, gpus, result.max_batch_size)
     micro = max(max(s) for s in splits)
     est = result.estimate
     if micro != result.max_batch_size:
-        est = fit_estimate_at(fitted_wl, dev, config.precision, config.checkpointing, config.sharded, gpus, micro)
+        shards = config.arithmetic_shards(gpus)
+        est = fit_estimate_at(fitted_wl, dev, config.precision, config.checkpointing, shards > 1, shards, micro)
     accumulation = max(len(s) for s in splits)
     if fitted_wl.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
         est = dataclasses.replace(est, accumulation_steps=accumulation)
-    warnings = _warnings(wl, micro, global_batch_size, gpus) + tuple(
+    warnings = _warnings(wl, micro, global_batch_size, config.data_parallel(gpus)) + tuple(
         f"not considered: {', '.join(c.remedies) or 'fp32'}, whose step failed when traced: {e}" for c, e in failed
     )
     picked = next(o for f, o in options if f is chosen)
@@ -263,7 +305,49 @@ def plan(
         predicted_step_s=picked.predicted_step_s,
         interconnect=str(interconnect),
         changes_numerics=picked.changes_numerics,
+        tensor_parallel=config.tensor_parallel,
+        sequence_parallel=config.sequence_parallel,
     )
+
+
+def _tensor_parallel_degrees(
+    wl: Any, gpus: int, asked: int | None, sequence_parallel: bool | None, gpus_per_node: int
+) -> tuple[tuple[int, ...], bool | None]:
+    """The tensor-parallel degrees the ladder tries: the one asked for (checked), else every degree up to a
+    node that splits the model's plan and divides the GPUs; none for a model without a plan. With them,
+    sequence parallelism as asked, or off for a plan outside numbered blocks (which it needs).
+
+    Raises:
+        ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid
+            ones), or sequence parallelism asked of a plan outside numbered blocks.
+    """
+    from ..cache import CACHE
+    from ..memory.tp_plan import degree_error, split_facts
+    from ..memory.trace import fake_model
+
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+        raise ConfigError(f"the tensor-parallel degree must be a whole number >= 1, got {asked!r}")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ConfigError(f"GPUs per node must be a whole number >= 1, got {gpus_per_node!r}")
+    if asked == 1 or (asked is None and gpus == 1):
+        return (), sequence_parallel
+    facts = CACHE.fact("tensor-parallel facts", wl, None, lambda: split_facts(fake_model(wl), wl.tp_plan))
+    if facts.error is None and not facts.blocks:
+        if sequence_parallel:
+            raise ConfigError(
+                "sequence parallelism splits the activations of a model's repeated blocks (a numbered container "
+                "like layers.0, layers.1), and this model's plan names none; drop --sp"
+            )
+        sequence_parallel = False
+    if asked is not None:
+        error = degree_error(asked, facts, gpus, gpus_per_node)
+        if error is not None:
+            raise ConfigError(error)
+        return (asked,), sequence_parallel
+    if facts.error is not None:
+        return (), sequence_parallel
+    degrees = tuple(d for d in facts.degrees if d <= gpus_per_node and gpus_per_node % d == 0 and gpus % d == 0)
+    return degrees, sequence_parallel
 
 
 def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batch_size: int | None, rule: str) -> Any:

@@ -172,15 +172,21 @@ def plan_table(plan: Any) -> Group:
     )
     head.add_column(style="bold")
     head.add_column()
-    even = plan.micro_batch_size * plan.accumulation_steps * plan.gpus == plan.global_batch_size
+    tp = getattr(plan, "tensor_parallel", 1)
+    ranks = plan.gpus // tp
+    even = plan.micro_batch_size * plan.accumulation_steps * ranks == plan.global_batch_size
     head.add_row(
-        "micro-batch x accumulation x GPUs",
-        f"{plan.micro_batch_size} x {plan.accumulation_steps} x {plan.gpus}" + ("" if even else " (uneven splits)"),
+        "micro-batch x accumulation x GPUs" if tp == 1 else "micro-batch x accumulation x groups",
+        f"{plan.micro_batch_size} x {plan.accumulation_steps} x {ranks}" + ("" if even else " (uneven splits)"),
     )
-    head.add_row("splits per optimizer step", describe_split(plan.splits))
+    head.add_row("splits per optimizer step", describe_split(plan.splits, "ranks" if tp == 1 else "groups"))
     head.add_row("precision", plan.precision)
     head.add_row("activation checkpointing", "yes" if plan.checkpointing else "no")
     head.add_row("sharding (FSDP)", "yes" if plan.sharded else "no")
+    if tp > 1:
+        sp = " + sequence parallel" if plan.sequence_parallel else ""
+        across = f", FSDP across {ranks} groups" if plan.sharded else ""
+        head.add_row("tensor parallel", f"{tp} GPUs per group{sp}{across}")
     head.add_row("remedies applied", ", ".join(plan.remedies) or "none needed (accumulation only)")
     if getattr(plan, "predicted_step_s", None) is not None:
         link = f" ({plan.interconnect} between GPUs)" if plan.gpus > 1 else ""

@@ -167,6 +167,9 @@ class Accumulator:
             grad_scaler = torch.amp.GradScaler(device_type)
         self.grad_scaler = grad_scaler
         self.world_size = world_size()
+        """Data-parallel ranks whose gradients are averaged (the processes, or the tensor-parallel groups)."""
+        self.group: Any = None
+        """The process group counts and losses are summed over (None: the default group)."""
         self.planned_micro_batch_size: int | None = None
         """The micro-batch size the caller plans for the next window (the Trainer's, after re-plans); under
         DDP the ranks agree on the smallest at each window's last backward and leave it here."""
@@ -186,6 +189,11 @@ class Accumulator:
         self.reset()
         if device is not None:
             self.place_on(device)
+
+    def use_group(self, group: Any, size: int) -> None:
+        """Sum counts and losses over ``group`` of ``size`` data-parallel ranks (tensor parallelism: the
+        ranks of a group hold the same loss, and FSDP averages gradients over the groups only)."""
+        self.group, self.world_size = group, size
 
     # -- per micro-batch ------------------------------------------------------------------------------
     def accumulate(self, micro_batch: Batch, *, last: bool, n_items: int | None = None) -> MicroStep:
@@ -283,7 +291,8 @@ class Accumulator:
             else:
                 totals = self._prepared if self._prepared is not None else self._prepare_totals()
                 # [loss_sum, n_items] over all ranks, then the noise scale's 3 small-batch terms
-                reads["totals"] = totals = all_reduce_sum(totals)
+                group = () if self.group is None else (self.group,)  # the default group, or the data-parallel one
+                reads["totals"] = totals = all_reduce_sum(totals, *group)
                 if self._form == MEAN:
                     self._check_item_count(int(totals[1].item()))
         measuring = self.noise_scale is not None and (self._small is not None or not local)
@@ -305,6 +314,14 @@ class Accumulator:
     def sharded(self) -> bool:
         """True when the model is sharded with FSDP2 (``fully_shard``): gradients are slices (DTensors)."""
         return is_sharded(self.model)
+
+    @property
+    def split(self) -> bool:
+        """True when the model's parameters are DTensors of tensor parallelism: every micro-batch is a
+        collective of a group's ranks, as under FSDP."""
+        from .parallel import is_split
+
+        return is_split(self.model) and not self.sharded
 
     @property
     def synchronising(self) -> bool:

@@ -69,7 +69,8 @@ def make_plan(
             f"micro_batch_size='auto' needs batchfit.plan, which could not be imported ({exc}); "
             "pass micro_batch_size=N"
         ) from exc
-    run: Callable[[], Any] = partial(plan, workload, global_batch_size, device=device, gpus=gpus, precision=precision)
+    run: Callable[[], Any] = partial(plan, workload, global_batch_size, device=device, gpus=gpus, precision=precision,
+                                     tensor_parallel=1)  # the Trainer splits a model only when told (tensor_parallel=)
     if in_a_thread:
         planner = run
 

@@ -23,6 +23,7 @@ from ..errors import CheckpointError, DoesNotFitError
 from .distributed import rank
 from .fsdp import full_states, is_sharded, load_full_states
 from .outofmemory import is_out_of_memory, oom_summary
+from .parallel import is_split
 
 FORMAT = "batchfit-checkpoint-1"
 
@@ -52,7 +53,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def model_and_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
     """Whole states, the same on any world size: gathered on rank 0 under FSDP (a collective), else local."""
-    if is_sharded(model):
+    if is_sharded(model) or is_split(model):
         return full_states(model, optimizer)
     return _unwrap(model).state_dict(), optimizer.state_dict() if optimizer is not None else None
 
@@ -199,7 +200,7 @@ def load_checkpoint(
             f"checkpoint {path} was saved from another model ({'; '.join(details)}); "
             "resume with the same model and settings"
         )
-    if is_sharded(model):
+    if is_sharded(model) or is_split(model):
         load_full_states(model, optimizer, saved, payload.get("optimizer"))
     else:
         target.load_state_dict(saved)

@@ -194,10 +194,10 @@ def agree(failure: str | None, micro_batch_size: int | None) -> tuple[str | None
     return agreed, None if -smallest == _NO_SIZE else -smallest
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the ranks of the default group in place (nothing to do without one)."""
+def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum ``t`` over the ranks of ``group`` (the default one) in place (nothing to do without one)."""
     if distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

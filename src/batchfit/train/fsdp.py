@@ -81,31 +81,50 @@ def shard_model(
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    name_of = {id(p): name for name, p in model.named_parameters()}
+    name_of = parameter_names(model, optimizer, "so that FSDP can shard them")
     whole_state = None
-    if optimizer is not None:
-        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in name_of]
-        if stray:
-            raise ConfigError(
-                f"{len(stray)} of the optimizer's parameters are not the model's; build the optimizer from "
-                "model.parameters() so that FSDP can shard them"
-            )
-        if any(optimizer.state.values()):
-            whole_state = optimizer.state_dict()
-            optimizer.state.clear()
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)  # FSDP slices each rank's own copy: make them rank 0's
+    if optimizer is not None and any(optimizer.state.values()):
+        whole_state = optimizer.state_dict()
+        optimizer.state.clear()
+    equalise(model)  # FSDP slices each rank's own copy: make them rank 0's
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if optimizer is not None:
-        sharded = dict(model.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [sharded[name_of[id(p)]] for p in group["params"]]
+        repoint(optimizer, model, name_of)
         if whole_state is not None:
             load_full_states(model, optimizer, None, whole_state)
     return model
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer | None, why: str) -> dict[int, str]:
+    """``id(parameter) -> name`` of ``model``'s parameters, the optimizer's all among them.
+
+    Raises:
+        ConfigError: an optimizer parameter that is not the model's (``why`` ends the line).
+    """
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in name_of] if optimizer else []
+    if stray:
+        raise ConfigError(
+            f"{len(stray)} of the optimizer's parameters are not the model's; build the optimizer from "
+            f"model.parameters() {why}"
+        )
+    return name_of
+
+
+def equalise(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (each rank splits its own copy: make them equal)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def repoint(optimizer: torch.optim.Optimizer, model: nn.Module, name_of: dict[int, str]) -> None:
+    """The optimizer's groups on ``model``'s new parameters, found by the names the old ones had."""
+    new = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [new[name_of[id(p)]] for p in group["params"]]
 
 
 def _names_in_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

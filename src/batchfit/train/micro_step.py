@@ -187,6 +187,8 @@ class MicroStep:
         if acc.grad_scaler is not None:
             weighted = acc.grad_scaler.scale(weighted)
         detached = value.detach()
+        if hasattr(detached, "full_tensor"):  # a loss computed on split logits (loss_parallel): replicated
+            detached = detached.full_tensor()
         kept_value = torch.zeros_like(detached) if padding else detached
         kept_count = self.n_items if count is None or padding else count
         if self.last:

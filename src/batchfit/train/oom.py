@@ -153,10 +153,11 @@ def run_window(
                 f"({summary}); use activation checkpointing, --precision bf16, shorter sequences, a smaller "
                 "model or a GPU with more memory",
             )
-        if acc.sharded:
+        if acc.sharded or acc.split:
             acc.reset()
+            under = "FSDP" if acc.sharded else "tensor parallelism"
             raise DoesNotFitError(
-                f"out of memory on {where} in the {phase} pass of a micro-batch of {size} under FSDP ({summary}); "
+                f"out of memory on {where} in the {phase} pass of a micro-batch of {size} under {under} ({summary}); "
                 "a rank cannot re-split alone there (every micro-batch is a collective of all ranks): restart "
                 f"with a micro-batch size of at most {size // 2}"
             )

@@ -20,9 +20,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from .auto_plan import make_plan, own_workload, planned_micro_batch_size, planne
 from .distributed import rank, world_size, wrap_model
 from .fsdp import is_sharded
 from .oom import release_memory, run_window
+from .parallel import check_tensor_parallel
 from .placement import Placement, cuda_profile, placement
 
 LossFn = Callable[[nn.Module, Batch], Any]
@@ -81,6 +83,14 @@ class Trainer:
         noise_scale: measure the gradient noise scale (``trainer.noise_scale``, ``StepResult.noise_scale``)
             from the windows' first micro-batches, into this ``GradientNoiseScale`` (True: a new one,
             False: off); steps of one micro-batch per rank measure nothing.
+        tensor_parallel: under torchrun, split the model across groups of this many consecutive ranks
+            (inside a node) by its tensor-parallel plan, FSDP across the groups: the layout
+            ``batchfit.plan`` estimates (``batchfit.train.parallel``). The ranks of a group pass the
+            group's share of each global batch to ``step``. With ``micro_batch_size="auto"`` only on the
+            CPU (a GPU plan is made before launching: ``batchfit plan --tp N``).
+        sequence_parallel: with ``tensor_parallel``, split the blocks' activations along the sequence.
+        tp_plan: the tensor-parallel plan (module paths to styles, as ``Workload.tp_plan``); None: the
+            workload's, else the one the model publishes (transformers' ``base_model_tp_plan``).
         sharded: under torchrun, shard parameters, gradients and optimizer states across the ranks
             with FSDP2 (``fully_shard``; see ``batchfit.train.fsdp``) instead of DDP. A plan made by
             ``micro_batch_size="auto"`` turns it on by itself when only sharding fits. Nothing to do
@@ -120,6 +130,9 @@ class Trainer:
         workload: Workload | None = None,
         noise_scale: GradientNoiseScale | bool = True,
         sharded: bool = False,
+        tensor_parallel: int = 1,
+        sequence_parallel: bool = False,
+        tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
@@ -134,12 +147,24 @@ class Trainer:
         if not callable(loss):
             raise ConfigError(f"loss must be a function (model, batch) -> loss, got {type(loss).__name__}")
         self.world_size = world_size()
-        if global_batch_size < self.world_size:
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel, self.world_size)
+        """Processes of one tensor-parallel group (1: none; see ``batchfit.train.parallel``)."""
+        self.sequence_parallel = bool(sequence_parallel) and self.tensor_parallel > 1
+        self.data_parallel = self.world_size // self.tensor_parallel
+        """Ranks that take different items: the processes, or the tensor-parallel groups."""
+        if global_batch_size < self.data_parallel:
             raise ConfigError(
-                f"global_batch_size {global_batch_size} is smaller than the {self.world_size} ranks; "
+                f"global_batch_size {global_batch_size} is smaller than the {self.data_parallel} ranks; "
                 "give every rank at least one item"
             )
         self.rank = rank()
+        if self.tensor_parallel > 1:
+            if micro_batch_size == "auto" and placement(device).device.type != "cpu":
+                raise ConfigError(
+                    "micro_batch_size='auto' cannot plan tensor parallelism inside torchrun (a rank is traced on a "
+                    "fake process group); run batchfit plan --tp N first and pass its micro-batch size"
+                )
+            noise_scale = False  # not measured under tensor parallelism (README: limitations)
         self._where = placement(device)
         on_cpu = self._where.simulated is None and self._where.device.type == "cpu"
         self._move = None if on_cpu else self._where.move  # on the CPU, ``.to`` would return the same tensors
@@ -173,8 +198,11 @@ class Trainer:
             noise_scale=noise_scale,
             device=self._where.simulated,  # places the model there (DoesNotFitError if it does not fit)
         )
-        self.share = rank_shares(global_batch_size, self.world_size)[self.rank]
-        """Items of each global batch that this rank's ``step`` receives."""
+        self.share = rank_shares(global_batch_size, self.data_parallel)[self.rank // self.tensor_parallel]
+        """Items of each global batch that this rank's ``step`` receives (the same for the ranks of a
+        tensor-parallel group: its share)."""
+        self._loss_context: Any = contextlib.nullcontext
+        self._tp_plan = tp_plan if tp_plan is not None else getattr(workload, "tp_plan", None)
         self.micro_batch_size: int | None = None if micro_batch_size == "auto" else int(micro_batch_size)
         """The current micro-batch size (None until ``"auto"`` has planned it at the first step)."""
         self.plan: Any = None
@@ -206,7 +234,7 @@ class Trainer:
         """
         n = batch_size_of(batch)
         if n != self.share:
-            whose = f"rank {self.rank}'s share of " if self.world_size > 1 else ""
+            whose = f"rank {self.rank}'s share of " if self.data_parallel > 1 else ""
             raise ConfigError(
                 f"step() got a batch of {n} items, expected {self.share} ({whose}the global batch of "
                 f"{self.global_batch_size}); pass exactly one global batch per step"
@@ -243,12 +271,15 @@ class Trainer:
     def _run_micro(self, micro: Batch, n_items: int, last: bool) -> None:
         if self._move is not None:
             micro = self._move(micro)
-        with self.accumulator.accumulate(micro, last=last, n_items=n_items) as step:
+        with self._loss_context(), self.accumulator.accumulate(micro, last=last, n_items=n_items) as step:
             step.backward_weighted(self.loss(self.model, micro))  # weighted by its share of the count
 
     def _wrap(self) -> None:
         """DDP, or FSDP when sharded, on several ranks; the FSDP split (see the class docstring)."""
         if self.world_size == 1:
+            return
+        if self.tensor_parallel > 1:
+            self._split()
             return
         if self.sharded and self._where.simulated is not None:
             raise ConfigError(
@@ -263,6 +294,28 @@ class Trainer:
             assert self.micro_batch_size is not None
             splits = make_splits(self.global_batch_size, self.world_size, self.micro_batch_size, same_count=True)
             self._splits = splits[self.rank]
+
+    def _split(self) -> None:
+        """Tensor parallelism (and FSDP across the groups): ``batchfit.train.parallel``."""
+        from ..workload import ParallelLayout
+        from .parallel import data_parallel_group, loss_context, split_model
+
+        if self._where.simulated is not None:
+            raise ConfigError(
+                f"tensor parallelism does not run on {self._where.name}: the simulated allocator cannot follow "
+                "split tensors across processes; use real GPUs or --device cpu"
+            )
+        layout = ParallelLayout(self.tensor_parallel, self.sequence_parallel, fsdp=self.data_parallel)
+        plan = self._tp_plan
+        self.model, mesh = split_model(self.model, self.optimizer, layout, self._where.device, plan)
+        self.accumulator.model = self.model
+        self.accumulator.use_group(data_parallel_group(mesh), self.data_parallel)
+        self.sharded = is_sharded(self.model)
+        self.accumulator.match_sharding()
+        self._loss_context = loss_context(self.model, layout, plan)
+        assert self.micro_batch_size is not None
+        splits = make_splits(self.global_batch_size, self.data_parallel, self.micro_batch_size, same_count=True)
+        self._splits = splits[self.rank // self.tensor_parallel]
 
     def _advise_batchnorm(self, stacklevel: int = 5) -> None:
         if self._bn_warned or self.micro_batch_size is None:
@@ -287,7 +340,7 @@ class Trainer:
         largest share's size on every rank: under FSDP the ranks must agree on the split).
         """
         if self._where.simulated is None and self._where.device.type == "cpu":
-            self.micro_batch_size = rank_shares(self.global_batch_size, self.world_size)[0]
+            self.micro_batch_size = rank_shares(self.global_batch_size, self.data_parallel)[0]
             return
         workload = self._workload or own_workload(self.model, self.optimizer, self.loss, batch)
         plan = make_plan(

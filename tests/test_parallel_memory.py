@@ -1,0 +1,118 @@
+"""One rank of tensor, sequence and FSDP2 layouts, traced, against real gloo ranks: equal to the byte.
+
+``tests/parallel_memory_worker.py`` splits a tiny Llama (its config written below, its plan the one
+transformers publishes) with ``apply_layout`` on a real mesh under torchrun and measures each rank's
+allocator peak and its local parameters, gradients and optimizer states. Here the same workload is
+estimated on ``device="cpu"`` as rank 0 of a fake process group. Every number must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_tiny import llama_config_dir
+from test_sharding import most_alive
+
+import batchfit
+from batchfit.memory.categories import Category
+from batchfit.sources import load
+from batchfit.workload import ParallelLayout
+
+pytest.importorskip("transformers")
+
+WORKER = Path(__file__).with_name("parallel_memory_worker.py")
+SEQ_LEN, BATCH_SIZE = 16, 4
+LAYOUTS = {
+    "tp2": ParallelLayout(tensor_parallel=2),
+    "tp2-sp": ParallelLayout(tensor_parallel=2, sequence_parallel=True),
+    "tp2-fsdp2": ParallelLayout(tensor_parallel=2, fsdp=2),
+    "tp2-sp-fsdp2": ParallelLayout(tensor_parallel=2, sequence_parallel=True, fsdp=2),
+}
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return llama_config_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _measure(config_dir: Path, out: Path, names: list[str]) -> dict:
+    nproc = LAYOUTS[names[0]].world_size
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
+           str(out), str(config_dir), str(SEQ_LEN), str(BATCH_SIZE), *names]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def measured_two(config_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _measure(config_dir, tmp_path_factory.mktemp("tp") / "ranks.json", ["tp2", "tp2-sp"])
+
+
+@pytest.fixture(scope="module")
+def measured_four(config_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _measure(config_dir, tmp_path_factory.mktemp("tp-fsdp") / "ranks.json", ["tp2-fsdp2", "tp2-sp-fsdp2"])
+
+
+def _check(config_dir: Path, name: str, ranks: list[dict]) -> None:
+    from batchfit.gpu.catalog import get_device
+    from batchfit.memory.estimate import trace_for_device
+    from batchfit.precision import policy_for
+
+    wl = dataclasses.replace(load(str(config_dir), seq_len=SEQ_LEN), parallel=LAYOUTS[name])
+    est = batchfit.estimate(wl, BATCH_SIZE, device="cpu")
+    assert [r["peak"] for r in ranks] == [est.peak_allocated_bytes] * len(ranks)
+    trace = trace_for_device(wl, BATCH_SIZE, get_device("cpu"), policy_for("fp32"), ())
+    for category in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES):
+        assert most_alive(trace, category) == ranks[0][category.value], category
+    assert any("traced on a fake process group" in note for note in est.notes)
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
+def test_a_tensor_parallel_rank_is_what_a_gloo_rank_holds(config_dir: Path, measured_two: dict, name: str) -> None:
+    _check(config_dir, name, measured_two[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2-fsdp2", "tp2-sp-fsdp2"])
+def test_a_rank_of_tensor_parallel_and_fsdp_is_what_a_gloo_rank_holds(
+    config_dir: Path, measured_four: dict, name: str
+) -> None:
+    _check(config_dir, name, measured_four[name])
+
+
+def test_each_split_holds_less_than_the_whole(config_dir: Path, measured_two: dict, measured_four: dict) -> None:
+    # The layouts differ from one another and from one GPU's step: a model that ignored the layout (or
+    # split everything by two) could not match all of them above.
+    whole = batchfit.estimate(load(str(config_dir), seq_len=SEQ_LEN), BATCH_SIZE, device="cpu")
+    peaks = [measured_two["tp2"][0]["peak"], measured_two["tp2-sp"][0]["peak"],
+             measured_four["tp2-fsdp2"][0]["peak"], measured_four["tp2-sp-fsdp2"][0]["peak"]]  # fmt: skip
+    assert len(set(peaks)) == 4 and max(peaks) < whole.peak_allocated_bytes
+    assert all(p != whole.peak_allocated_bytes // 2 for p in peaks)
+
+
+def test_a_rank_of_a_layout_is_traced_with_every_block(tmp_path: Path) -> None:
+    """Depth synthesis does not follow a layout's DTensors and collectives: a rank of a six-layer model is
+    traced whole (noted), and its estimate is the same with synthesis on and off."""
+    from batchfit.memory.depth import STATS
+
+    wl = dataclasses.replace(load(str(llama_config_dir(tmp_path, num_hidden_layers=6)), seq_len=SEQ_LEN),
+                             parallel=LAYOUTS["tp2-sp-fsdp2"])  # fmt: skip
+
+    def estimate(on: str) -> dict:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", on)
+            return batchfit.estimate(wl, BATCH_SIZE, device="A100-80GB").to_dict()
+
+    before = STATS.blocks_written
+    on = estimate("1")
+    assert STATS.blocks_written == before
+    assert "traced at full depth (no depth synthesis): one rank of a parallel layout" in on["notes"]
+    assert on == estimate("0")
