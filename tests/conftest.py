@@ -55,3 +55,19 @@ def _collect_after_each_test_when_asked(request: pytest.FixtureRequest) -> Itera
 
         print(f"\n[gc after {request.node.nodeid}]", file=sys.stderr, flush=True)
         gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _long_lived_objects_frozen_between_modules() -> Iterator[None]:
+    """After each test module, garbage is collected and what survives is frozen (``gc.freeze``).
+
+    A worker that ran torch.compile (torchao's optimizers, compiled regions) holds a million long-lived
+    objects of dynamo and sympy, and every full collection afterwards walked all of them: the Trainer's
+    ``gc.collect()`` on each out-of-memory re-split made later tests several times slower in the suite
+    than alone. Frozen objects are still alive; they are only left out of later collections.
+    """
+    import gc
+
+    yield
+    gc.collect()
+    gc.freeze()

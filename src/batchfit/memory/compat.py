@@ -96,25 +96,55 @@ _LRU_WRAPPERS: tuple[int, list[Any], list[Any]] = (-1, [], [])
 
 
 def _lru_wrappers() -> tuple[list[Any], list[Any]]:
-    """Every ``functools.lru_cache`` wrapper alive, and those defined beside a model's layers (in a
-    module that defines an ``nn.Module``), found once per set of imported modules."""
+    """Every ``functools.lru_cache`` wrapper the collector sees, and those of modelling code (modules that
+    define an ``nn.Module``), found once per set of imported modules.
+
+    The second list is read from the modules themselves, not from the collector: a process that called
+    ``gc.freeze()`` (a server preloading its models, a test suite) hides its older objects from
+    ``gc.get_objects``.
+    """
     global _LRU_WRAPPERS
     if _LRU_WRAPPERS[0] != len(sys.modules):
         wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
-        _LRU_WRAPPERS = (len(sys.modules), wrappers, [w for w in wrappers if _defines_layers(w)])
+        of_layers = {id(w): w for module in list(sys.modules.values()) if _defines_layers(module)
+                     for w in _caches_of(module)}  # fmt: skip
+        _LRU_WRAPPERS = (len(sys.modules), wrappers, list(of_layers.values()))
     return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
 
 
-def _defines_layers(wrapper: Any) -> bool:
-    name = getattr(wrapper, "__module__", None) or ""
-    module = sys.modules.get(name)
-    if module is None or name.split(".")[0] in ("torch", "batchfit"):
+def _defines_layers(module: Any) -> bool:
+    name = getattr(module, "__name__", None) or ""
+    if name.split(".")[0] in ("torch", "batchfit", "__main__") or name in sys.stdlib_module_names:
         return False
     try:
         return any(isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == name
-                   for v in vars(module).values())  # fmt: skip
+                   for v in list(vars(module).values()))  # fmt: skip
     except Exception:  # a module whose namespace cannot be read holds no layers we trace
         return False
+
+
+def _caches_of(module: Any) -> Iterator[Any]:
+    """The ``lru_cache`` wrappers of a module's functions and of its classes' methods, including those a
+    decorator keeps in its closure (transformers' ``compile_compatible_method_lru_cache``)."""
+    name = module.__name__
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and value.__module__ == name:
+            members = list(vars(value).values())
+        elif getattr(value, "__module__", None) == name:
+            members = [value]
+        else:
+            continue
+        for member in members:
+            func = getattr(member, "__func__", member)  # staticmethod, classmethod
+            if type(func) is functools._lru_cache_wrapper:
+                yield func
+            for cell in getattr(func, "__closure__", None) or ():
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if type(content) is functools._lru_cache_wrapper:
+                    yield content
 
 
 @contextlib.contextmanager
@@ -132,11 +162,12 @@ def fakes_kept_out_of_caches() -> Iterator[None]:
     every, of_layers = _lru_wrappers()
     for w in of_layers:
         w.cache_clear()
-    before = {id(w): w.cache_info().misses for w in every}
+    before = {id(w): w.cache_info().misses for w in (*every, *of_layers)}
     try:
         yield
     finally:
-        for w in _lru_wrappers()[0]:
+        every, of_layers = _lru_wrappers()
+        for w in (*every, *of_layers):
             if w.cache_info().misses != before.get(id(w), 0):
                 w.cache_clear()
 
