@@ -215,7 +215,8 @@ def needs() -> dict[tuple[str, bool, bool], int]:
 
 
 def test_the_plan_is_the_cheapest_configuration_that_fits(needs: dict[tuple[str, bool, bool], int]) -> None:
-    """At every capacity, the plan takes the first configuration of the ladder whose one item fits."""
+    """At every capacity, the plan takes the first configuration of the ladder whose one item fits (the
+    model left whole: splitting it is ``test_parallel_plan.py``'s)."""
     order = _order("1GiB", 2)
     checked = set()
     for capacity in sorted(set(needs.values()), reverse=True):
@@ -223,7 +224,8 @@ def test_the_plan_is_the_cheapest_configuration_that_fits(needs: dict[tuple[str,
         if expected in checked:
             continue
         checked.add(expected)
-        p = plan(LONG_GPT, 64, device=get_device("1GiB").with_overrides(total_bytes=capacity), gpus=2)
+        p = plan(LONG_GPT, 64, device=get_device("1GiB").with_overrides(total_bytes=capacity), gpus=2,
+                 tensor_parallel=1)
         assert (p.precision, p.checkpointing, p.sharded) == expected, capacity
         assert p.estimate.device_total_bytes <= capacity and p.headroom_bytes >= 0
         assert sum(map(sum, p.splits)) == 64
