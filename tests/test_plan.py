@@ -234,6 +234,15 @@ def test_the_plan_is_the_cheapest_configuration_that_fits(needs: dict[tuple[str,
     assert len(checked) >= 4  # the capacities tell several configurations apart
 
 
+def test_a_plan_that_fits_the_model_whole_fits_no_split_layout(needs: dict) -> None:
+    """Splitting the model is the last remedy: where a whole configuration fits (here only with FSDP and
+    checkpointing), no tensor-parallel layout is traced, as the choice or as an alternative."""
+    device = get_device("1GiB").with_overrides(total_bytes=needs[("bf16", True, True)])
+    p = plan(LONG_GPT, 64, device=device, gpus=2)
+    assert (p.precision, p.checkpointing, p.sharded, p.tensor_parallel) == ("bf16", True, True, 1)
+    assert p.alternatives and all(a.tensor_parallel == 1 for a in p.alternatives)
+
+
 def test_a_sharded_plan_gives_every_rank_the_same_number_of_micro_batches(needs: dict) -> None:
     device = get_device("1GiB").with_overrides(total_bytes=needs[("fp32", False, True)])
     p = plan(LONG_GPT, 3, device=device, gpus=2, precision="fp32", checkpointing=False)

@@ -219,7 +219,7 @@ def plan(
     for config in configs:
         if len(first) > ALTERNATIVES:
             break
-        if _could_fit(wl, dev, config, gpus, budget):
+        if not _split_after_whole(config, first) and _could_fit(wl, dev, config, gpus, budget):
             first.append(config)
 
     def labelled(config: Any, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
@@ -245,6 +245,8 @@ def plan(
         for config in configs:
             if chosen is not None and len(options) > ALTERNATIVES:
                 break
+            if chosen is not None and _split_after_whole(config, [chosen.config]):
+                continue
             try:
                 if not _could_fit(wl, dev, config, gpus, budget):
                     continue
@@ -308,6 +310,15 @@ def plan(
         tensor_parallel=config.tensor_parallel,
         sequence_parallel=config.sequence_parallel,
     )
+
+
+def _split_after_whole(config: Any, before: list[Any]) -> bool:
+    """Whether ``config`` splits the model while a configuration before it keeps it whole.
+
+    Tensor parallelism is the last remedy: its collectives sit in every layer, and a rank's step is traced
+    with every block (minutes for a 70B), so a plan fits split layouts only when nothing whole fits, or
+    when ``tensor_parallel`` fixes the degree (the ladder then holds split layouts only)."""
+    return config.tensor_parallel > 1 and any(c.tensor_parallel <= 1 for c in before)
 
 
 def _tensor_parallel_degrees(
