@@ -107,7 +107,7 @@ def _lru_wrappers() -> tuple[list[Any], list[Any]]:
     if _LRU_WRAPPERS[0] != len(sys.modules):
         wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
         of_layers = {id(w): w for module in list(sys.modules.values()) if _defines_layers(module)
-                     for w in _caches_of(module)}  # fmt: skip
+                     for w in _caches_of_module(module)}  # fmt: skip
         _LRU_WRAPPERS = (len(sys.modules), wrappers, list(of_layers.values()))
     return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
 
@@ -121,6 +121,13 @@ def _defines_layers(module: Any) -> bool:
                    for v in list(vars(module).values()))  # fmt: skip
     except Exception:  # a module whose namespace cannot be read holds no layers we trace
         return False
+
+
+def _caches_of_module(module: Any) -> list[Any]:
+    try:
+        return list(_caches_of(module))
+    except Exception:  # an attribute that raises when read (a proxy): no cache of ours to find there
+        return []
 
 
 def _caches_of(module: Any) -> Iterator[Any]:
