@@ -106,10 +106,15 @@ def _lru_wrappers() -> tuple[list[Any], list[Any]]:
     global _LRU_WRAPPERS
     if _LRU_WRAPPERS[0] != len(sys.modules):
         wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
-        of_layers = {id(w): w for module in list(sys.modules.values()) if _defines_layers(module)
-                     for w in _caches_of_module(module)}  # fmt: skip
+        for name, module in list(sys.modules.items()):
+            if name not in _MODULE_CACHES:  # each module read once: its namespace is complete once imported
+                _MODULE_CACHES[name] = _caches_of_module(module) if _defines_layers(module) else []
+        of_layers = {id(w): w for caches in _MODULE_CACHES.values() for w in caches}
         _LRU_WRAPPERS = (len(sys.modules), wrappers, list(of_layers.values()))
     return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
+
+
+_MODULE_CACHES: dict[str, list[Any]] = {}
 
 
 def _defines_layers(module: Any) -> bool:
