@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hf_tiny import llama_config_dir
@@ -98,21 +99,33 @@ def test_each_split_holds_less_than_the_whole(config_dir: Path, measured_two: di
     assert all(p != whole.peak_allocated_bytes // 2 for p in peaks)
 
 
-def test_a_rank_of_a_layout_is_traced_with_every_block(tmp_path: Path) -> None:
-    """Depth synthesis does not follow a layout's DTensors and collectives: a rank of a six-layer model is
-    traced whole (noted), and its estimate is the same with synthesis on and off."""
+@pytest.mark.parametrize("name", ["tp2-sp", "tp2-fsdp2", "tp2-sp-fsdp2"])
+def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, name: str) -> None:
+    """A six-layer model's rank, its stack cut and written at full depth, is the rank traced with every
+    block, event for event; where the writer does not follow what a layout does (FSDP2's prefetch beside
+    sequence parallelism), the rank is traced whole and the estimate says so."""
+    from trace_compare import everything
+
+    from batchfit.gpu.catalog import get_device
     from batchfit.memory.depth import STATS
+    from batchfit.memory.estimate import _trace_for_device
+    from batchfit.precision import policy_for
 
     wl = dataclasses.replace(load(str(llama_config_dir(tmp_path, num_hidden_layers=6)), seq_len=SEQ_LEN),
-                             parallel=LAYOUTS["tp2-sp-fsdp2"])  # fmt: skip
+                             parallel=LAYOUTS[name])  # fmt: skip
+    device = get_device("H100-80GB")
+    policy = policy_for("bf16", bf16_supported=True, device_name=device.name)
 
-    def estimate(on: str) -> dict:
+    def trace(on: str) -> tuple[Any, int]:
+        before = STATS.blocks_written
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", on)
-            return batchfit.estimate(wl, BATCH_SIZE, device="A100-80GB").to_dict()
+            return _trace_for_device(wl, BATCH_SIZE, device, policy, ()), STATS.blocks_written - before
 
-    before = STATS.blocks_written
-    on = estimate("1")
-    assert STATS.blocks_written == before
-    assert "traced at full depth (no depth synthesis): one rank of a parallel layout" in on["notes"]
-    assert on == estimate("0")
+    (written, blocks), (traced, _) = trace("1"), trace("0")
+    if name == "tp2-sp-fsdp2":
+        assert blocks == 0 and any(n.startswith("traced at full depth (no depth synthesis)") for n in written.notes)
+        assert everything(written)[:-1] == everything(traced)[:-1]  # the same trace, with the note
+    else:
+        assert blocks == 6
+        assert everything(written) == everything(traced)

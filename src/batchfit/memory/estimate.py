@@ -378,13 +378,6 @@ def _trace_for_device(
             depth=depth,
         )
 
-    layout = getattr(workload, "parallel", None)
-    if layout is not None and layout.world_size > 1:
-        # A rank's layout splits each block's parameters into DTensors and runs collectives whose
-        # buffers the writer of the full depth does not follow: the rank is traced with every block.
-        whole = trace(None)
-        whole.notes.append("traced at full depth (no depth synthesis): one rank of a parallel layout")
-        return whole
     return trace_deep(trace)
 
 

@@ -96,13 +96,13 @@ def trace_workload(
             model.train()
             if materialize_lazy(model, workload):
                 notes.append("lazy modules were initialised by one forward pass on a batch of one item")
-        if depth is not None:
-            depth.apply(model)
         if mesh is not None:
             from .parallel import apply_layout_traced
 
             apply_layout_traced(model, layout, mesh, workload.tp_plan)
             notes.append(f"one rank of {layout.describe()} ({layout.world_size} GPUs), traced on a fake process group")
+        if depth is not None:  # after the layout: the stacks are cut as the rank's model names them
+            depth.apply(model)
         optimizer = _make_optimizer(workload, model)
         if foreach_optimizer and prefer_foreach(optimizer):
             notes.append("capturable=True: traced without it (CPU tensors refuse it); its step counters are counted")
