@@ -315,9 +315,10 @@ def plan(
 def _split_after_whole(config: Any, before: list[Any]) -> bool:
     """Whether ``config`` splits the model while a configuration before it keeps it whole.
 
-    Tensor parallelism is the last remedy: its collectives sit in every layer, and a rank's step is traced
-    with every block (minutes for a 70B), so a plan fits split layouts only when nothing whole fits, or
-    when ``tensor_parallel`` fixes the degree (the ladder then holds split layouts only)."""
+    Tensor parallelism is the last remedy: its collectives sit in every layer, and a rank's step costs
+    more to trace (a TP + SP x FSDP2 rank with every block, minutes for a 70B), so a plan fits split
+    layouts only when nothing whole fits, or when ``tensor_parallel`` fixes the degree (the ladder then
+    holds split layouts only)."""
     return config.tensor_parallel > 1 and any(c.tensor_parallel <= 1 for c in before)
 
 
