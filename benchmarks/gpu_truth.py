@@ -446,9 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     profile, note = _profile(args, out_dir)
     rows: list[dict[str, Any]] = []
+    partial_rows = out_dir / "rows.jsonl"  # every case's rows as it ends: a run stopped half-way keeps them
+    partial_rows.write_text("")
     for name in names:
         start = time.perf_counter()
-        rows += run_case(BY_NAME[name], args, profile)
+        done = run_case(BY_NAME[name], args, profile)
+        rows += done
+        with partial_rows.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in done)
         print(f"gpu_truth: {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     ok = report(rows, f"{profile} ({note})" if profile else note)
     print(f"rows written to {write_csv(rows, out_dir)}")
