@@ -261,3 +261,37 @@ def test_cuda_grouped_mm_output_rows_are_padded_to_16_bytes() -> None:
         start, end = _phase_bounds(t, "forward", 1)
         out = [s for s in t.events[start:end] if s >= 0 and t.op.get(s) == "aten._grouped_mm.default"]
         assert [t.nbytes[s] for s in out] == [96 * row_bytes - (3 * F32 if device != "cpu" else 0)]
+
+
+class _OldLibrary:
+    """``torch.library.Library`` before ``impl`` took ``allow_override`` (torch <= 2.11): a second Python
+    registration of an op and key raises, as torch 2.11 did for ``_grouped_mm``'s Python meta kernel."""
+
+    ns = "aten"
+
+    def __init__(self) -> None:
+        self.kernels: list[tuple[str, str]] = []
+
+    def impl(self, op_name: str, fn: object, dispatch_key: str = "") -> None:
+        key = f"aten/{op_name}/{dispatch_key}"
+        if key in torch.library._impls:
+            raise RuntimeError("This is not allowed since there's already a kernel registered from python")
+        torch.library._impls.add(key)
+        self.kernels.append((op_name, dispatch_key))
+
+
+def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(monkeypatch) -> None:
+    from batchfit.memory.overrides import _impl
+
+    monkeypatch.setattr(torch.library, "_impls", {"aten/_grouped_mm/Meta"})  # torch's meta registration
+    old = _OldLibrary()
+    _impl(old, "_grouped_mm", lambda *a: None, "Meta")
+    assert old.kernels == [("_grouped_mm", "Meta")] and torch.library._impls == {"aten/_grouped_mm/Meta"}
+
+    class NewLibrary(_OldLibrary):
+        def impl(self, op_name: str, fn: object, dispatch_key: str = "", *, allow_override: bool = False) -> None:
+            self.kernels.append((op_name, dispatch_key, allow_override))
+
+    new = NewLibrary()
+    _impl(new, "_grouped_mm", lambda *a: None, "Meta")
+    assert new.kernels == [("_grouped_mm", "Meta", True)]

@@ -11,6 +11,7 @@ otherwise calls ``fallback``, which does what the dispatcher did without it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,8 +39,28 @@ def register(switch: str, qualified: str, dispatch_key: str, kernel: Callable, f
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-        _LIBRARY.impl(qualified, dispatch, dispatch_key)
+        _impl(_LIBRARY, qualified, dispatch, dispatch_key)
     _REGISTERED.add((qualified, dispatch_key))
+
+
+def _impl(library: Any, qualified: str, kernel: Callable, dispatch_key: str) -> None:
+    """``library.impl`` over a kernel torch itself registered from Python, on any torch.
+
+    torch's own meta kernels are Python registrations (``_meta_registrations.py``), and before
+    ``Library.impl`` took ``allow_override`` (torch 2.12) a second Python registration for the same op
+    and key raised "there's already a kernel registered from python" (torch 2.11 registers
+    ``_grouped_mm``'s meta kernel so). The dispatcher itself overrides with a warning; only the Python
+    bookkeeping (``torch.library._impls``) refused. ``fallback`` calls torch's kernel directly, so
+    nothing is lost by taking its place.
+    """
+    if "allow_override" in inspect.signature(library.impl).parameters:
+        library.impl(qualified, kernel, dispatch_key, allow_override=True)
+        return
+    impls = getattr(torch.library, "_impls", None)
+    key = f"{library.ns}/{qualified.split('::')[-1]}/{dispatch_key}"
+    if isinstance(impls, set):
+        impls.discard(key)  # impl adds it back
+    library.impl(qualified, kernel, dispatch_key)
 
 
 def registered(qualified: str, dispatch_key: str) -> bool:
