@@ -20,6 +20,10 @@ runs for real and is >= 95% of the real maximum), and writes every row to
 
 Run: ``PYTHONPATH=src python benchmarks/gpu_truth.py [--quick] [--profile PATH] [--out DIR] [--cases a,b]``
 (``--quick``: fewer cases and sizes, a few minutes). Exit status: 0 targets met, 1 missed, 2 no GPU here.
+
+``--replay CSV [--profile PATH]`` needs no GPU: it keeps the measured columns of a CSV this script wrote
+(``benchmarks/results/``) and estimates every step row again with the code as it is now, for the GPU the
+row names, so that a change to the estimator is checked against real steps on any machine.
 """
 
 from __future__ import annotations
@@ -189,8 +193,13 @@ def _relative(estimate: int | None, real: int | None) -> float | None:
     return None if not estimate or not real else (estimate - real) / real
 
 
-def _real_step(workload: Any, batch: int, policy: Any, gpu: Any) -> dict[str, Any]:
-    """Two real steps from a clean allocator: the peaks and NVML's used memory of this process after them."""
+def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path | None = None) -> dict[str, Any]:
+    """Two real steps from a clean allocator: the peaks and NVML's used memory of this process after them.
+
+    ``snapshot``: where to write the allocator's history of the two steps (``torch.cuda.memory``'s snapshot,
+    every allocation, free and segment with its stack), to set beside the estimate's (``batchfit report
+    --snapshot``) with ``benchmarks/snapshot_segments.py``.
+    """
     import gc
 
     from batchfit.memory.steps import build_for_steps, run_workload_steps
@@ -203,16 +212,22 @@ def _real_step(workload: Any, batch: int, policy: Any, gpu: Any) -> dict[str, An
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = optimizer = None
+    if snapshot is not None:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     try:
         model, optimizer = build_for_steps(workload, policy.param_dtype, (), device="cuda")
         run_workload_steps(workload, model, optimizer, batch, param_dtype=policy.param_dtype,
                            autocast=policy.autocast("cuda"), move=lambda t: t.to("cuda"))  # fmt: skip
         torch.cuda.synchronize()
+        if snapshot is not None:
+            torch.cuda.memory._dump_snapshot(str(snapshot))
         return {"real_allocated": int(torch.cuda.max_memory_allocated()),
                 "real_reserved": int(torch.cuda.max_memory_reserved()), "real_nvml": gpu.process_used()}  # fmt: skip
     except torch.OutOfMemoryError:
         return {"error": "real step ran out of memory"}
     finally:
+        if snapshot is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
         del model, optimizer
         gc.collect()
         torch.cuda.empty_cache()
@@ -231,7 +246,7 @@ def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled:
     return out
 
 
-def worker(name: str, quick: bool, profile_path: str | None) -> int:
+def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | None = None) -> int:
     """Run one case and print one JSON object per row (never raises for a row)."""
     from batchfit.gpu._cuda import cuda_device
     from batchfit.gpu.calibrate import TorchGpu
@@ -256,7 +271,8 @@ def worker(name: str, quick: bool, profile_path: str | None) -> int:
         for batch in batches:
             row: dict[str, Any] = {**base, "kind": "step", "precision": precision, "batch": batch}
             start = time.perf_counter()
-            for part in (partial(_real_step, workload, batch, policy, gpu),
+            snapshot = Path(snapshots) / f"snapshot-{case.name}-{precision}-{batch}.pickle" if snapshots else None
+            for part in (partial(_real_step, workload, batch, policy, gpu, snapshot),
                          partial(_estimates, workload, batch, precision, device, profiled)):  # fmt: skip
                 try:
                     row.update(part())
@@ -314,6 +330,7 @@ def run_case(case: Case, args: argparse.Namespace, profile: str | None) -> list[
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", case.name]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--profile", profile] if profile else []
+    cmd += ["--snapshots", args.snapshots] if args.snapshots else []
     try:
         done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=args.timeout)
         stdout, failure = done.stdout, None
@@ -372,7 +389,7 @@ def report(rows: list[dict[str, Any]], profile_note: str) -> bool:
                       _pct(r.get("err_allocated")), _mib(r.get("real_reserved")), _mib(r.get("est_reserved")),
                       _pct(r.get("err_reserved")), _mib(r.get("real_nvml")), _mib(r.get("est_total")),
                       _pct(r.get("err_total")), _mib(r.get("est_total_profile")), _pct(r.get("err_total_profile")),
-                      str(r.get("seconds", "-")), r.get("error", "")[:60])  # fmt: skip
+                      str(r.get("seconds", "-")), (r.get("error") or "")[:60])  # fmt: skip
     console.print(table)
     fits = Table(title="fit: estimated maximum micro-batch vs the real one", title_justify="left")
     for col in ("case", "prec", "estimated", "estimated (profile)", "real", "estimated / real", "note"):
@@ -382,7 +399,7 @@ def report(rows: list[dict[str, Any]], profile_note: str) -> bool:
         ratio = r.get("fit_ratio")
         fits.add_row(r["case"], r.get("precision", "-"), str(r.get("fit_est_max", "-")),
                      str(r.get("fit_est_max_profile", "-")), str(r.get("fit_real_max", "-")),
-                     "-" if ratio is None else f"{ratio:.3f}", r.get("error", "")[:60])  # fmt: skip
+                     "-" if ratio is None else f"{ratio:.3f}", (r.get("error") or "")[:60])  # fmt: skip
     console.print(fits)
     console.print(f"device profile: {profile_note}")
     ok = True
@@ -423,6 +440,52 @@ def write_csv(rows: list[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
+def replay(path: Path, profile_path: str | None, cases: set[str] | None = None) -> list[dict[str, Any]]:
+    """The step rows of a measured CSV with their estimates made again now (the fit rows as measured);
+    ``cases``: only these cases' rows."""
+    from batchfit.gpu.catalog import get_device
+
+    with path.open(newline="") as f:
+        measured = [r for r in csv.DictReader(f) if cases is None or r["case"] in cases]
+    rows = []
+    for old in measured:
+        row: dict[str, Any] = {k: _number(v) for k, v in old.items() if k in FIELDS}
+        if old["kind"] != "step" or not old.get("real_allocated") or old["case"] not in BY_NAME:
+            rows.append(row)
+            continue
+        for key in [k for k in row if k.startswith(("est_", "err_", "context_"))] + ["error"]:
+            row[key] = None
+        try:
+            device = get_device(old["gpu"])
+            profiled = None
+            if profile_path:
+                from batchfit import profiles
+
+                profiled = profiles.load(profile_path).apply(device, profile_path)
+            workload = BY_NAME[old["case"]].make()
+            row.update(_estimates(workload, int(old["batch"]), old["precision"], device, profiled))
+        except Exception as e:  # noqa: BLE001 - an error row, the others still run
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        row["err_allocated"] = _relative(row.get("est_allocated"), row.get("real_allocated"))
+        row["err_reserved"] = _relative(row.get("est_reserved"), row.get("real_reserved"))
+        row["err_total"] = _relative(row.get("est_total"), row.get("real_nvml"))
+        row["err_total_profile"] = _relative(row.get("est_total_profile"), row.get("real_nvml"))
+        rows.append(row)
+    return rows
+
+
+def _number(value: str) -> Any:
+    """A CSV cell as this script wrote it: an int, a float, or text (empty: None)."""
+    if value == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            continue
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and batch sizes (a few minutes)")
@@ -430,13 +493,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where the CSV goes")
     parser.add_argument("--cases", help="comma-separated case names (default: all, or the quick ones)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per worker")
+    parser.add_argument("--snapshots", help="a folder for each real step's allocator snapshot (one file per row)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--replay", help="a measured CSV: estimate its rows again with this code (no GPU)")
     args = parser.parse_args(argv)
+    if args.replay:
+        rows = replay(Path(args.replay), args.profile, set(args.cases.split(",")) if args.cases else None)
+        return 0 if report(rows, args.profile or "none (catalog defaults only)") else 1
     if not torch.cuda.is_available():
         print("gpu_truth: no CUDA GPU is visible here; run it on a machine with one (nothing was measured)")
         return 2
     if args.worker:
-        return worker(args.worker, args.quick, args.profile)
+        return worker(args.worker, args.quick, args.profile, args.snapshots)
     names = args.cases.split(",") if args.cases else [c.name for c in CASES if c.quick or not args.quick]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
@@ -444,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.snapshots:
+        Path(args.snapshots).mkdir(parents=True, exist_ok=True)
     profile, note = _profile(args, out_dir)
     rows: list[dict[str, Any]] = []
     partial_rows = out_dir / "rows.jsonl"  # every case's rows as it ends: a run stopped half-way keeps them

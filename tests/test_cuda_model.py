@@ -148,6 +148,38 @@ def test_autocast_bf16_runs_layer_norm_and_softmax_in_fp32_on_cuda() -> None:
     assert saved_bytes(wl, B, "A100-40GB", "bf16") == cuda
 
 
+V = 256  # classes of the cross-entropy head
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, V, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _cross_entropy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def test_autocast_bf16_cross_entropy_keeps_bf16_log_probs_on_cuda() -> None:
+    wl = Workload(model=Head, batch=lambda b: (torch.randn(b, D), torch.randint(0, V, (b,))), loss=_cross_entropy)
+    x = B * D * BF16  # the head's input, cast to bf16 (its weight needs no saving: x needs no grad)
+    # CPU autocast runs cross_entropy_loss in fp32: a fp32 copy of the logits, whose fp32 log-softmax is
+    # kept (nll_loss's input too), and nll_loss's 4-byte total weight.
+    assert saved_bytes(wl, B, "cpu", "bf16") == x + B * V * F32 + 4
+    # CUDA autocast has no policy for cross_entropy_loss: log_softmax runs in bf16 (kept), and only
+    # nll_loss (fp32 list) casts its input to fp32 (kept as well); the total weight is one 512-byte block.
+    assert saved_bytes(wl, B, "A100-40GB", "bf16") == x + B * V * BF16 + B * V * F32 + 512
+    t, _ = trace(wl, B, "A100-40GB", "bf16")
+    start, end = _phase_bounds(t, "backward", 1)
+    grads = [t.nbytes[s] for s in t.events[start:end] if s >= 0 and t.op.get(s) in (
+        "aten.nll_loss_backward.default", "aten._log_softmax_backward_data.default")]  # fmt: skip
+    assert grads == [B * V * F32, B * V * BF16]  # the logits' gradient comes back in bf16
+
+
 # -- 4. cuBLAS workspaces -----------------------------------------------------------------------
 @pytest.mark.parametrize("device, per_handle", [("A100-40GB", 8_519_680), ("H100-80GB", 32 * 2**20)])
 def test_one_cublas_workspace_per_handle(device: str, per_handle: int) -> None:

@@ -170,3 +170,20 @@ def test_capacity_snapshot_of_a_step_that_fits_matches_the_estimate(gpt_trace) -
     snap = build_snapshot(gpt_trace, capacity_bytes=est.peak_reserved_bytes)
     assert not [e for e in snap["device_traces"][0] if e["action"] in ("oom", "segment_free")]
     check_consistent(snap)
+
+
+def test_the_segment_listing_adds_up_to_the_reserved_peak(gpt_trace) -> None:
+    """``benchmarks/snapshot_segments.py`` (set beside a real step's snapshot): every cudaMalloc in order, each
+    with the request that caused it, the last running total the replay's reserved peak."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "snapshot_segments.py"
+    spec = importlib.util.spec_from_file_location("snapshot_segments", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.segments(build_snapshot(gpt_trace))
+    stats = replay(gpt_trace.allocations())
+    assert rows[-1]["reserved"] == sum(r["segment"] for r in rows) == stats.peak_reserved_bytes
+    assert all(r["request"] <= r["segment"] and r["allocated"] <= r["reserved"] for r in rows)
+    assert [r["index"] for r in rows] == sorted(r["index"] for r in rows)

@@ -35,21 +35,27 @@ NOTE = (
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8_519_680
 CUBLAS_WORKSPACE_BYTES_SM90 = 4096 * 8 * 1024  # 33_554_432
 
-# CUDA context + lazily loaded kernels, per architecture. These are estimates, not per-card
-# measurements: a bare lazy-loading context was measured at 256 MiB on an RTX 3090 (torch 2.7, CUDA
-# 12.8; invoke-ai/InvokeAI#9413) and 426 MiB on an RTX 6000 Ada (torch 2.10, CUDA 13.0;
-# unslothai/unsloth-zoo#1053); pytorch/pytorch#86509 saw 274 MiB in use after a first small tensor; PyTorch
-# maintainers quote ~300-400 MB (pytorch/pytorch#107667, #109888). A training step lazily loads more
-# kernels (GEMMs, cuDNN, optimizer, autograd), and newer architectures ship larger kernel images, so
-# the defaults sit above the bare figures and grow with the architecture. Override per run.
+# CUDA context + lazily loaded kernels, per architecture. Hopper's is measured: nvidia-smi's memory of
+# the process less torch.cuda.memory_reserved() after two training steps was 742-762 MiB on an H200 (torch
+# 2.11, CUDA 13.0, driver 580, lazy loading) across 14 models (transformers, CNNs, an LSTM, MoE, LoRA;
+# benchmarks/results/gpu_truth-NVIDIA_H200-*.csv), and `batchfit calibrate` measured 758 MiB there, of
+# which 610 MiB is the bare context and ~150 MiB the kernels a step loads (GEMMs, cuDNN, optimizer,
+# autograd). The others are estimates, not measurements: a bare lazy-loading context was measured at
+# 256 MiB on an RTX 3090 (torch 2.7, CUDA 12.8; invoke-ai/InvokeAI#9413) and 426 MiB on an RTX 6000 Ada
+# (torch 2.10, CUDA 13.0; unslothai/unsloth-zoo#1053); pytorch/pytorch#86509 saw 274 MiB in use after a
+# first small tensor. A step's kernels come on top, and newer architectures ship larger kernel images, so
+# the defaults sit above the bare figures and grow with the architecture (Blackwell no smaller than the
+# Hopper measurement). A device profile (`batchfit calibrate`) or --context-mib replaces the constant.
 CONTEXT_BYTES = {
     "Volta": 320 * MiB,
     "Turing": 320 * MiB,
     "Ampere": 384 * MiB,
     "Ada": 512 * MiB,
-    "Hopper": 512 * MiB,
-    "Blackwell": 576 * MiB,
+    "Hopper": 760 * MiB,
+    "Blackwell": 768 * MiB,
 }
+CONTEXT_MEASURED_ON = {"Hopper": "measured on an H200 with torch 2.11 + CUDA 13.0"}
+"""The architectures whose ``CONTEXT_BYTES`` is a measurement, and where it was taken."""
 # Eager module loading (CUDA < 11.7, or CUDA_MODULE_LOADING=EAGER) loads every kernel of every library at
 # start-up. Published: 1343 MiB on nvidia-smi after ``torch.ones((1, 1)).cuda()`` on a V100, CUDA 11.2
 # (Hugging Face, "Model training anatomy"), less the 2 MiB small-pool segment that tensor left cached;
@@ -204,7 +210,8 @@ class Device:
             return f"{size}: measured by batchfit calibrate ({self.context_detail})"
         if self.context_source == "override":
             return f"{size}: given ({self.context_detail})"
-        return f"{size}: default, lazy module loading (CUDA >= 11.7), {self.arch or 'generic'} estimate"
+        where = CONTEXT_MEASURED_ON.get(self.arch or "", f"{self.arch or 'generic'} estimate")
+        return f"{size}: default, lazy module loading (CUDA >= 11.7), {where}"
 
 
 def _gpu(
