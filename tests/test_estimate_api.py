@@ -260,3 +260,46 @@ def test_a_frozen_encoders_inference_fast_path_is_estimated_as_its_padded_path()
     gpu = batchfit.estimate(wl, 4, device="A100-80GB")  # a nested tensor fake tensors cannot make: refused before
     assert gpu.device_total_bytes > gpu.context_bytes
     assert batchfit.estimate(wl, 4, device="cpu").peak_allocated_bytes >= measure_cpu_peak(wl, 4)  # an upper bound
+
+
+_LAZY_MODULE = '''
+import functools
+import torch
+
+
+@functools.lru_cache
+def table(n):
+    return torch.arange(n, dtype=torch.float32)
+'''
+
+
+class LazyTable(nn.Module):
+    """Imports its helper module in the first forward, as transformers imports its submodules lazily, and
+    caches a tensor there per size."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__()
+        self.module, self.fc = module, nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import importlib
+
+        return self.fc(x) + importlib.import_module(self.module).table(16)
+
+
+def test_a_cache_of_a_module_the_trace_imports_is_left_empty(tmp_path, monkeypatch) -> None:
+    """The trace's fake tensors never stay in a cache, even in a module first imported during the trace: the
+    next real step computes its own (a fake one would fail it)."""
+    import sys
+
+    (tmp_path / "lazy_table_mod.py").write_text(_LAZY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazy_table_mod", raising=False)
+    wl = Workload(model=lambda: LazyTable("lazy_table_mod"), batch=lambda b: torch.randn(b, 16),
+                  loss=lambda m, x: m(x).sum())  # fmt: skip
+    batchfit.estimate(wl, 2, device="A100-40GB")
+    assert "lazy_table_mod" in sys.modules  # imported by the trace
+    assert sys.modules["lazy_table_mod"].table.cache_info().currsize == 0
+    model = LazyTable("lazy_table_mod")
+    model(torch.randn(2, 16)).sum().backward()  # a real step, with a real table
+    assert type(sys.modules["lazy_table_mod"].table(16)) is torch.Tensor

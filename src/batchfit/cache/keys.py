@@ -68,6 +68,13 @@ def _is_library(obj: Any) -> bool:
     return "site-packages" in file or "dist-packages" in file
 
 
+def _is_own(obj: Any) -> bool:
+    """batchfit's own code: its source is in every key already (``_own_source``), so a function of it is
+    described by its name and the values it closes over or reads, not by its bytecode and callees."""
+    module = getattr(obj, "__module__", None) or ""
+    return module == "batchfit" or module.startswith("batchfit.")
+
+
 def _file_digest(module_name: str | None) -> str:
     """The digest of a user module's source file (any edit to it is a new key; "" for none)."""
     module = sys.modules.get(module_name or "")
@@ -99,8 +106,10 @@ def _function(fn: types.FunctionType, seen: set[int]) -> list[Any]:
     parts: list[Any] = ["fn", fn.__module__, fn.__qualname__]
     if _is_library(fn):
         return parts
-    parts.append(_file_digest(fn.__module__))
-    parts.append(_code_digest(fn.__code__, seen))
+    own = _is_own(fn)
+    if not own:
+        parts.append(_file_digest(fn.__module__))
+    parts.append(_code_digest(fn.__code__, seen))  # two lambdas of one function share a name, not code
     parts.append(_describe(fn.__defaults__, seen))
     parts.append(_describe(fn.__kwdefaults__, seen))
     for cell in fn.__closure__ or ():
@@ -116,8 +125,8 @@ def _function(fn: types.FunctionType, seen: set[int]) -> list[Any]:
         if name not in fn.__globals__:
             continue  # a builtin
         value = fn.__globals__[name]
-        if isinstance(value, types.ModuleType) or (callable(value) and _is_library(value)):
-            continue
+        if isinstance(value, types.ModuleType) or (callable(value) and (_is_library(value) or own)):
+            continue  # own code reading its own functions and classes: in _own_source already
         read = functools.partial(fn.__globals__.get, name, _GONE)
         parts.append((name, _watched(read, value, _global_value(value, seen))))
     return parts
@@ -188,6 +197,8 @@ def _class(cls: type, seen: set[int]) -> list[Any]:
         for name, value in sorted(vars(klass).items()):
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
+            if _is_own(klass) and not isinstance(value, _SIMPLE):
+                continue  # own methods: in _own_source; class-level values still count
             if isinstance(value, types.FunctionType):
                 parts.append((klass.__qualname__, name, _function(value, seen)))
             elif isinstance(value, property) and value.fget is not None:
@@ -311,10 +322,20 @@ def _library_versions() -> tuple[str, ...]:
 
     versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version(),
                 f"depth synthesis {'on' if synthesis_enabled() else 'off'}"]  # fmt: skip
-    for name in ("transformers", "peft", "bitsandbytes", "torchao"):
-        module = sys.modules.get(name)
-        versions.append(f"{name} {getattr(module, '__version__', '-')}")
+    versions += [f"{name} {_installed_version(name)}" for name in ("transformers", "peft", "bitsandbytes", "torchao")]
     return tuple(versions)
+
+
+@functools.cache
+def _installed_version(name: str) -> str:
+    """A package's installed version, read without importing it: whether a plan had imported transformers
+    yet must not change the keys of the traces it stores ("-": not installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
 
 
 def _structure(workload: Any, param_dtype: Any) -> Any:

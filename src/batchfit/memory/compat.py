@@ -106,12 +106,25 @@ def _lru_wrappers() -> tuple[list[Any], list[Any]]:
     global _LRU_WRAPPERS
     if _LRU_WRAPPERS[0] != len(sys.modules):
         wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
-        for name, module in list(sys.modules.items()):
-            if name not in _MODULE_CACHES:  # each module read once: its namespace is complete once imported
-                _MODULE_CACHES[name] = _caches_of_module(module) if _defines_layers(module) else []
-        of_layers = {id(w): w for caches in _MODULE_CACHES.values() for w in caches}
-        _LRU_WRAPPERS = (len(sys.modules), wrappers, list(of_layers.values()))
+        _LRU_WRAPPERS = (len(sys.modules), wrappers, _layer_caches())
     return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
+
+
+def _layer_caches() -> list[Any]:
+    """The caches of modelling code, each module read once (its namespace is complete once imported)."""
+    for name, module in list(sys.modules.items()):
+        if name not in _MODULE_CACHES:
+            _MODULE_CACHES[name] = _caches_of_module(module) if _defines_layers(module) else []
+    return list({id(w): w for caches in _MODULE_CACHES.values() for w in caches}.values())
+
+
+def _caches_imported_since(count: int) -> list[Any]:
+    """The module-level caches of the modules imported after the first ``count`` (read from their
+    namespaces: a trace that imports modules needs no second pass over every object)."""
+    found = []
+    for _, module in list(sys.modules.items())[count:]:
+        found += _caches_of_module(module)
+    return found
 
 
 _MODULE_CACHES: dict[str, list[Any]] = {}
@@ -175,11 +188,12 @@ def fakes_kept_out_of_caches() -> Iterator[None]:
     for w in of_layers:
         w.cache_clear()
     before = {id(w): w.cache_info().misses for w in (*every, *of_layers)}
+    imported = len(sys.modules)
     try:
         yield
     finally:
-        every, of_layers = _lru_wrappers()
-        for w in (*every, *of_layers):
+        # Caches of modules the trace imported (transformers imports lazily) count from zero.
+        for w in (*every, *of_layers, *_caches_imported_since(imported)):
             if w.cache_info().misses != before.get(id(w), 0):
                 w.cache_clear()
 
