@@ -349,11 +349,15 @@ def run_case(case: Case, args: argparse.Namespace, profile: str | None) -> list[
         rows.append({"kind": "step", "case": case.name, "family": case.family, "error": failure[:300]})
     for row in rows:
         row.setdefault("family", case.family)
-        row["err_allocated"] = _relative(row.get("est_allocated"), row.get("real_allocated"))
-        row["err_reserved"] = _relative(row.get("est_reserved"), row.get("real_reserved"))
-        row["err_total"] = _relative(row.get("est_total"), row.get("real_nvml"))
-        row["err_total_profile"] = _relative(row.get("est_total_profile"), row.get("real_nvml"))
+        _add_errors(row)
     return rows
+
+
+def _add_errors(row: dict[str, Any]) -> None:
+    row["err_allocated"] = _relative(row.get("est_allocated"), row.get("real_allocated"))
+    row["err_reserved"] = _relative(row.get("est_reserved"), row.get("real_reserved"))
+    row["err_total"] = _relative(row.get("est_total"), row.get("real_nvml"))
+    row["err_total_profile"] = _relative(row.get("est_total_profile"), row.get("real_nvml"))
 
 
 def summary(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
@@ -466,10 +470,7 @@ def replay(path: Path, profile_path: str | None, cases: set[str] | None = None) 
             row.update(_estimates(workload, int(old["batch"]), old["precision"], device, profiled))
         except Exception as e:  # noqa: BLE001 - an error row, the others still run
             row["error"] = f"{type(e).__name__}: {e}"[:300]
-        row["err_allocated"] = _relative(row.get("est_allocated"), row.get("real_allocated"))
-        row["err_reserved"] = _relative(row.get("est_reserved"), row.get("real_reserved"))
-        row["err_total"] = _relative(row.get("est_total"), row.get("real_nvml"))
-        row["err_total_profile"] = _relative(row.get("est_total_profile"), row.get("real_nvml"))
+        _add_errors(row)
         rows.append(row)
     return rows
 
