@@ -61,6 +61,8 @@ class Labels:
     """FLOPs by phase, step and the label of the op that did them."""
     mixed: str = ""
     """Why the step's ops mix blocks outside them (empty: they do not)."""
+    loose_flops: list[int] = field(default_factory=list)
+    """Where ops outside the blocks did floating-point work: the number of events before each returned."""
 
 
 class BlockRecorder:
@@ -85,6 +87,7 @@ class BlockRecorder:
         self._numbered: list[Label | None] = []  # ... and the label from there on
         self._next_number = 0
         self._during_op: list[int] = []  # storages a kernel made inside the op running now
+        self._loose_flops: list[int] = []  # events so far, after each op outside the blocks with FLOPs
 
     def _here(self, tracer: Any) -> Any:
         """The label of what runs now: a block's, None (the other parts) or ``_NO_MODULE``."""
@@ -147,6 +150,7 @@ class BlockRecorder:
                 self._note(sid, [tracer.storage_id(t) for t in _tensors_in(args)], here)
         self._during_op.clear()
         if flops:
+            self._loose_flops.append(len(tracer.trace.events))
             first = next((s for s in new if s is not None), None)
             self._flops.append((tracer.phase, tracer.step, first if here is _NO_MODULE else None, flops))
 
@@ -197,7 +201,7 @@ class BlockRecorder:
             label = who if isinstance(who, tuple) else (resolve(who) if isinstance(who, int) else None)
             key = (phase, step, label)
             flops[key] = flops.get(key, 0) + n
-        return Labels(events, owner, flops, mixed)
+        return Labels(events, owner, flops, mixed, list(self._loose_flops))
 
 
 def _tensors_in(args: Any) -> list[torch.Tensor]:

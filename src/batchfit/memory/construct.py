@@ -233,8 +233,29 @@ def fake_session() -> Iterator[Any]:
     mode = FakeValueMode()
     # The shadows' random draws come from a forked generator (NOTE [ Reading values during a fake trace ]).
     with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), _quiet_meta_failures(), \
-            _no_nested_fast_path(), mode:  # fmt: skip
+            _no_nested_fast_path(), _torchscript_unoptimised(), mode:  # fmt: skip
         yield mode.values
+
+
+@contextlib.contextmanager
+def _torchscript_unoptimised() -> Iterator[None]:
+    """TorchScript functions run through their executor's plain plan, the same on every call.
+
+    The profiling executor (on by default) runs a scripted function's first call through a profiling
+    plan and later ones through a plan optimised from that profile (``torch.jit.optimized_execution``;
+    ``torch/csrc/jit/runtime/profiling_graph_executor_impl.cpp``), and the two free their temporaries in
+    different orders: a trace would depend on how often the process had called the function before, and
+    a stack's first block (a scripted function's first call) would not be traced as the others are
+    (transformers' DeBERTa-v2 scaled its attention with scripted functions). A function whose optimised
+    plan an earlier real run already made keeps it, on every call as well.
+    """
+    get = getattr(torch._C, "_get_graph_executor_optimize", None)
+    set_to = getattr(torch._C, "_set_graph_executor_optimize", None)
+    if get is None or set_to is None:
+        yield
+        return
+    with temporarily(get, set_to, False):
+        yield
 
 
 @contextlib.contextmanager

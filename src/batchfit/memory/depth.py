@@ -21,7 +21,9 @@ What it assumes, and checks on the cut trace before it is used:
   gradient hand-overs, FLOPs, notes), but for what each reads of the end next to it; the ends (the
   first and the last period) may differ, and are kept as they are;
 * every event of a sweep belongs to one block's turn, in order, with nothing of the other parts between
-  two blocks; an op outside the blocks never computes one tensor from several of them (a loss over
+  two blocks but the loop's own work, alike between every two of them and without floating-point work
+  (a layer-drop draw before each block, freeing the one before it), which is written with the block
+  after it; an op outside the blocks never computes one tensor from several of them (a loss over
   every layer's router logits has the depth in its size);
 * the forward does not depend on a block's index other than by a period (which the two consecutive
   middle periods show), on the number of blocks, or on one block in the middle of the stack being
@@ -32,6 +34,10 @@ say why; so is a model whose container of like blocks, holding most of its param
 (blocks that differ in shape, share parameters, or are uninitialised). ``tests/test_depth.py`` compares
 the written traces with real full-depth ones, event for event, across the zoo.
 ``BATCHFIT_DEPTH_SYNTHESIS=0`` turns it off.
+
+A trace does not depend on what the process ran before: TorchScript functions, whose executor runs a
+function's first call through another plan than the later ones, are traced through the same plan on
+every call (``memory/construct.py``), so a stack's first block is traced as the others are.
 
 On the CPU the trace measures real kernels' scratch per op signature (``memory/probe.py``); the blocks
 a trace leaves out run the signatures of those it keeps, so the written trace is the CPU's as well.

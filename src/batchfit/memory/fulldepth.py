@@ -247,6 +247,10 @@ class _Writer(SweepReader):
             if self._to_middle(ref, sweep.stack, block):
                 interior = ref
                 continue
+            if ref[0] == "fixed":  # made before the sweep (``_carried``): that middle turn's own alone
+                if full == st.full_of(block):
+                    return ref[1]
+                continue
             end = block + ref[1] if ref[0] == "rel" else self.turn[self.born[ref[1]]][2]
             if full + end - block == st.full_of(end):  # next to that end, as the middle turn was
                 return self._storage(ref[2], st.full_of(end), sweep.stack) if ref[0] == "rel" else ref[1]

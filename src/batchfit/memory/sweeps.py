@@ -213,16 +213,57 @@ class SweepReader:
             used[c] = True
 
     def _chain(self, runs: list[tuple[Label, int, int]], r: int, label: Label, descending: bool,
-               count: int) -> list[int] | None:  # fmt: skip
-        """``count`` adjacent runs from ``r`` whose blocks go down (or up) by one from ``label``'s."""
+               count: int, gaps: bool = False) -> list[int] | None:  # fmt: skip
+        """``count`` adjacent runs from ``r`` whose blocks go down (or up) by one from ``label``'s (with
+        ``gaps``: consecutive runs, events of the other parts between them allowed)."""
         chain = [r]
         while len(chain) < count:
             nxt = chain[-1] + 1
             want = (label[0], label[1] + (-1 if descending else 1) * len(chain))
-            if nxt >= len(runs) or runs[nxt][0] != want or runs[nxt][1] != runs[chain[-1]][2]:
+            if nxt >= len(runs) or runs[nxt][0] != want or (runs[nxt][1] != runs[chain[-1]][2] and not gaps):
                 return None
             chain.append(nxt)
         return chain
+
+    def _loop_turns(self, runs: list[tuple[Label, int, int]],
+                    chain: list[int]) -> list[tuple[int, int, int]] | None:  # fmt: skip
+        """The turns of a sweep whose runs ``chain`` are, each turn after the first taking the events of
+        the other parts before it: the loop over the blocks doing the same work between every two blocks
+        (a layer-drop draw, which frees the draw before it); None where that work is not alike between
+        every two turns, or is more than such work (``_loop_work``)."""
+        turns = [(runs[chain[0]][0][1], runs[chain[0]][1], runs[chain[0]][2])]
+        between = set()
+        for before, c in zip(chain, chain[1:]):
+            work = self._loop_work(runs[before][2], runs[c][1])
+            if work is None:
+                return None
+            between.add(work)
+            turns.append((runs[c][0][1], runs[before][2], runs[c][2]))
+        return turns if len(between) == 1 else None
+
+    def _loop_work(self, a: int, b: int) -> tuple | None:
+        """Events ``a`` to ``b`` (the other parts' work between two turns) as a signature: what each
+        makes, and what each frees, by its place among those made there or else by what it is; None where
+        a phase starts, a gradient is handed over or an op does floating-point work there."""
+        if a == b:
+            return ()
+        if any(a <= index <= b for index, _, _ in self.t.phases) or any(a < x < b for x in self.grads):
+            return None
+        if any(a <= x <= b for x in self.labels.loose_flops):
+            return None
+        t = self.t
+        made: dict[int, int] = {}
+        out: list[tuple] = []
+        for x in range(a, b):
+            e = t.events[x]
+            sid = e if e >= 0 else ~e
+            what = (t.nbytes[sid], t.role.get(sid), t.op.get(sid), t.rows.get(sid), t.module.get(sid))
+            if e >= 0:
+                made[e] = len(made)
+                out.append(("a", *what))
+            else:
+                out.append(("f", made[sid]) if sid in made else ("f", "earlier", *what))
+        return tuple(out)
 
     def _add_sweep(self, stack: int, spans: list[tuple[int, int, int]], descending: bool) -> None:
         sweep = Sweep(stack, [(a, b) for _, a, b in sorted(spans)], descending)
@@ -236,9 +277,10 @@ class SweepReader:
         for descending in (False, True):
             if label[1] != (kept - 1 if descending else 0):
                 continue
-            chain = self._chain(runs, r, label, descending, kept)
-            if chain is not None:
-                self._add_sweep(label[0], [(runs[c][0][1], runs[c][1], runs[c][2]) for c in chain], descending)
+            chain = self._chain(runs, r, label, descending, kept, gaps=True)
+            turns = self._loop_turns(runs, chain) if chain is not None else None
+            if chain is not None and turns is not None:
+                self._add_sweep(label[0], turns, descending)
                 for c in chain:
                     used[c] = True
                 return
@@ -339,13 +381,25 @@ class SweepReader:
         hands = (self.grads.get(a, ()), self.grads.get(b, ()))
         if [h[2] for h in hands[0]] != [h[2] for h in hands[1]]:
             raise Irregular("two blocks between the ends of a stack hand over different gradients")
-        for ra, rb in zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1])):
+        refs = zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1]))
+        for k, (ra, rb) in enumerate(refs):
             if ra == rb and (ra[0] == "rel" or ra == ("fixed", None)):
+                continue
+            if k == 0 and ea < 0 and (self._carried(sweep, ra, rb, blocks[0], blocks[1])
+                                      or self._carried(sweep, rb, ra, blocks[1], blocks[0])):  # fmt: skip
                 continue
             a_middle = self._to_middle(ra, sweep.stack, blocks[0])
             b_middle = self._to_middle(rb, sweep.stack, blocks[1])
             if not (a_middle or b_middle) or (a_middle and b_middle) or "fixed" in (ra[0], rb[0]):
                 raise Irregular("two blocks between the ends of a stack do not repeat (they free different storages)")
+
+    def _carried(self, sweep: Sweep, fixed: tuple, other: tuple, fixed_block: int, other_block: int) -> bool:
+        """Whether the middle turn of ``fixed_block`` frees a storage made before the sweep where the
+        other middle turn frees the first one's: a loop variable each turn drops for its own, the first
+        of which the loop made before its first block (``_pick`` gives it to that turn alone)."""
+        if fixed[0] != "fixed" or fixed[1] is None or other[0] != "rel" or other_block + other[1] != fixed_block:
+            return False
+        return self.born.get(fixed[1], sweep.start) < sweep.start
 
     def _to_middle(self, ref: tuple, stack: int, block: int) -> bool:
         period = self.stacks[stack].period
