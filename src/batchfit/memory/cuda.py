@@ -19,7 +19,10 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
    ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
    half the bytes. We register AutocastCPU kernels that apply CUDA's policy for the ops CPU autocast
-   leaves alone, only for the duration of the trace.
+   leaves alone, only for the duration of the trace, each where this torch's AutocastCUDA has a kernel.
+   The reverse holds too: CPU autocast runs ``cross_entropy_loss`` in float32 and CUDA's has no policy
+   for it, so on CUDA it decomposes with autocast on (``log_softmax`` in the logits' dtype, only
+   ``nll_loss``'s input cast to float32); those CPU-only policies are lifted as well (``CPU_ONLY_FP32_OPS``).
 4. cuBLAS workspace. Each cuBLAS handle/stream gets a workspace from the caching allocator on its
    first GEMM (``CublasHandlePool.cpp``), and training uses two: the forward thread's and the
    autograd engine's. It stays allocated.
@@ -373,8 +376,8 @@ def _register_autocast_policy() -> list[str]:
     for names, make in ((CUDA_FP32_OPS, _fp32_kernel), (CUDA_FP32_OPT_DTYPE_OPS, _fp32_opt_dtype_kernel)):
         for qualified in names:
             op = _overload(qualified)
-            if op is None or has(_schema_name(op), "AutocastCPU"):
-                continue  # CPU autocast already has a policy for it (float32 too); keep the CPU's own
+            if op is None or not has(_schema_name(op), "AutocastCUDA") or has(_schema_name(op), "AutocastCPU"):
+                continue  # not in this torch's CUDA list; or CPU autocast has a policy too (float32): the CPU's
             overrides.register("cuda autocast", qualified, "AutocastCPU", make(op), _no_policy(op))
             _CHANGED.append(qualified)
     for qualified in CPU_ONLY_FP32_OPS:
