@@ -46,12 +46,12 @@ def register(switch: str, qualified: str, dispatch_key: str, kernel: Callable, f
 def _impl(library: Any, qualified: str, kernel: Callable, dispatch_key: str) -> None:
     """``library.impl`` over a kernel torch itself registered from Python, on any torch.
 
-    torch's own meta kernels are Python registrations (``_meta_registrations.py``), and before
-    ``Library.impl`` took ``allow_override`` (torch 2.12) a second Python registration for the same op
-    and key raised "there's already a kernel registered from python" (torch 2.11 registers
-    ``_grouped_mm``'s meta kernel so). The dispatcher itself overrides with a warning; only the Python
-    bookkeeping (``torch.library._impls``) refused. ``fallback`` calls torch's kernel directly, so
-    nothing is lost by taking its place.
+    torch's own meta kernels are Python registrations (``_meta_registrations.py``), and a ``Library.impl``
+    without an ``allow_override`` that defaults to True refuses a second Python registration for the same
+    op and key ("there's already a kernel registered from python": every trace failed so on torch 2.11,
+    which registers ``_grouped_mm``'s meta kernel from Python). The dispatcher itself overrides with a
+    warning; only the Python bookkeeping (``torch.library._impls``) refused. ``fallback`` calls torch's
+    kernel directly, so nothing is lost by taking its place.
     """
     if "allow_override" in inspect.signature(library.impl).parameters:
         library.impl(qualified, kernel, dispatch_key, allow_override=True)
