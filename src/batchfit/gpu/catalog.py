@@ -272,8 +272,9 @@ _CATALOG: tuple[Device, ...] = (
     # deviceQuery (NGC cuda-sample container), driver CUDA 13.0: 81079 MBytes (85017755648 bytes); 81106
     # with 12.7 (thamada/nvidia-smi nvsim/H100SXMx8_deviceQuery.py); nvidia-smi Total 81559 MiB.
     _gpu("H100-80GB", 85017755648, "Hopper", (9, 0), 3350, 989, ("H100", "NVIDIA H100 80GB HBM3")),
-    # torch get_device_properties: total_memory=143156MB; nvidia-smi Total 143771 MiB.
-    _gpu("H200", 143156 * MiB, "Hopper", (9, 0), 4800, 989, ("H200-141GB", "NVIDIA H200")),
+    # torch get_device_properties(0).total_memory on an H200 (driver 580, CUDA 13.0, measured by batchfit
+    # calibrate, benchmarks/results/profile-NVIDIA_H200-*.json): 150109880320 bytes; nvidia-smi 143771 MiB.
+    _gpu("H200", 150109880320, "Hopper", (9, 0), 4800, 989, ("H200-141GB", "NVIDIA H200")),
     # torch get_device_properties: total_memory=182631MB (182642MB on another host).
     _gpu("B200", 182631 * MiB, "Blackwell", (10, 0), 8000, 2250, ("NVIDIA B200",)),
 )
