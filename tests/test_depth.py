@@ -197,13 +197,13 @@ class _Indexed(_Dense):
         return x * 2.0 if self.index == 2 else x
 
 
-class _Alternating(nn.Module):
-    """Blocks of one class whose width alternates with period ``period`` (every ``period``-th is wide)."""
+class _Stack(nn.Module):
+    """An embedding, a stack of blocks of width 16 and a head."""
 
-    def __init__(self, layers: int, period: int) -> None:
+    def __init__(self, blocks: Any) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, 16)
-        self.blocks = nn.ModuleList(_Dense(16, i % period == 0) for i in range(layers))
+        self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(16, 64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -211,6 +211,13 @@ class _Alternating(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class _Alternating(_Stack):
+    """Blocks of one class whose width alternates with period ``period`` (every ``period``-th is wide)."""
+
+    def __init__(self, layers: int, period: int) -> None:
+        super().__init__(_Dense(16, i % period == 0) for i in range(layers))
 
 
 def _ids(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,18 +432,9 @@ class _ScriptedBlock(_Dense):
         return super().forward(x) / self.scale(x, 2)
 
 
-class _Scripted(nn.Module):
+class _Scripted(_Stack):
     def __init__(self, scale: Any) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, 16)
-        self.blocks = nn.ModuleList(_ScriptedBlock(16, scale) for _ in range(6))
-        self.head = nn.Linear(16, 64)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        super().__init__(_ScriptedBlock(16, scale) for _ in range(6))
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
