@@ -233,6 +233,15 @@ def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path 
         torch.cuda.empty_cache()
 
 
+def _profiled(device: Any, profile_path: str | None) -> Any:
+    """``device`` with the device profile at ``profile_path`` applied (None without a profile)."""
+    if not profile_path:
+        return None
+    from batchfit import profiles
+
+    return profiles.load(profile_path).apply(device, profile_path)
+
+
 def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled: Any) -> dict[str, Any]:
     import batchfit
 
@@ -255,11 +264,7 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
     gpu = TorchGpu()  # NVML's baseline is read now, before this process has a CUDA context
     case = BY_NAME[name]
     device = cuda_device()
-    profiled = None
-    if profile_path:
-        from batchfit import profiles
-
-        profiled = profiles.load(profile_path).apply(device, profile_path)
+    profiled = _profiled(device, profile_path)
     base = {"case": case.name, "family": case.family, "gpu": torch.cuda.get_device_name(0)}
     try:
         workload = case.make()
@@ -452,6 +457,8 @@ def replay(path: Path, profile_path: str | None, cases: set[str] | None = None) 
     with path.open(newline="") as f:
         measured = [r for r in csv.DictReader(f) if cases is None or r["case"] in cases]
     rows = []
+    devices: dict[str, tuple[Any, Any]] = {}  # per GPU named: the catalog's device and the profiled one
+    workloads: dict[str, Any] = {}  # per case: one workload for all its rows, as a worker has
     for old in measured:
         row: dict[str, Any] = {k: _number(v) for k, v in old.items() if k in FIELDS}
         if old["kind"] != "step" or not old.get("real_allocated") or old["case"] not in BY_NAME:
@@ -460,14 +467,13 @@ def replay(path: Path, profile_path: str | None, cases: set[str] | None = None) 
         for key in [k for k in row if k.startswith(("est_", "err_", "context_"))] + ["error"]:
             row[key] = None
         try:
-            device = get_device(old["gpu"])
-            profiled = None
-            if profile_path:
-                from batchfit import profiles
-
-                profiled = profiles.load(profile_path).apply(device, profile_path)
-            workload = BY_NAME[old["case"]].make()
-            row.update(_estimates(workload, int(old["batch"]), old["precision"], device, profiled))
+            if old["gpu"] not in devices:
+                device = get_device(old["gpu"])
+                devices[old["gpu"]] = (device, _profiled(device, profile_path))
+            if old["case"] not in workloads:
+                workloads[old["case"]] = BY_NAME[old["case"]].make()
+            device, profiled = devices[old["gpu"]]
+            row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled))
         except Exception as e:  # noqa: BLE001 - an error row, the others still run
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         _add_errors(row)
