@@ -22,6 +22,8 @@ than at full depth; the 70B cold plan (synthesised) in less time than two full-d
 estimates identical to the byte (``Estimate.to_dict``) and the plans the same, synthesis on and off;
 and, synthesised, a cold plan <= 3 estimates and a warm plan <= 1 s beyond start-up.
 
+batchfit's modules are byte-compiled first (``_byte_compiled``), as an installed package's are.
+
 Run: ``.venv/bin/python benchmarks/plan_speed.py`` (a quarter of an hour on two cores: the full-depth 70B
 plan traces several 80-layer steps).
 """
@@ -159,12 +161,24 @@ def _measure(case: tuple) -> dict[bool, dict[str, Any]]:
     return out
 
 
+def _byte_compiled() -> None:
+    """batchfit's modules byte-compiled, as an installed wheel's are: with ``PYTHONDONTWRITEBYTECODE`` set
+    (as on some machines) an editable install compiles every module it imports from source in every
+    process, and the modules a trace imports lazily would be compiled inside the timed estimate."""
+    import compileall
+
+    import batchfit
+
+    compileall.compile_dir(str(Path(batchfit.__file__).parent), quiet=1)
+
+
 def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
     from batchfit.planning.parallel import resolve_workers
 
+    _byte_compiled()
     workers = resolve_workers(None)
     table = Table(title="plan speed: fresh processes, depth synthesis on and off in the same run (traces counted "
                         "by the trace cache, layers by the traces)", title_justify="left")  # fmt: skip

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -96,80 +95,94 @@ _LRU_WRAPPERS: tuple[int, list[Any], list[Any]] = (-1, [], [])
 
 
 def _lru_wrappers() -> tuple[list[Any], list[Any]]:
-    """Every ``functools.lru_cache`` wrapper the collector sees, and those of modelling code (modules that
+    """The ``functools.lru_cache`` wrappers of third-party code, and those of modelling code (modules that
     define an ``nn.Module``), found once per set of imported modules.
 
-    The second list is read from the modules themselves, not from the collector: a process that called
-    ``gc.freeze()`` (a server preloading its models, a test suite) hides its older objects from
-    ``gc.get_objects``.
+    Read from the modules' namespaces (module-level functions, class methods, and the caches a decorator
+    keeps in its closure), each module once: that is where code keeps a cache that outlives a call, and
+    it sees what a process that called ``gc.freeze()`` (a server preloading its models, a test suite)
+    hides from the collector. torch's, the standard library's and batchfit's own caches are left
+    alone: they hold dtypes, ops and shapes, never a model's tensors. (A scan of every object the
+    collector tracks found the same third-party caches and cost a model's estimate a tenth of a
+    second.)
     """
     global _LRU_WRAPPERS
     if _LRU_WRAPPERS[0] != len(sys.modules):
-        wrappers = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
-        _LRU_WRAPPERS = (len(sys.modules), wrappers, _layer_caches())
+        every: dict[int, Any] = {}
+        layers: dict[int, Any] = {}
+        for name, module in list(sys.modules.items()):
+            caches, defines_layers = _module_caches(name, module)
+            for w in caches:
+                every[id(w)] = w
+                if defines_layers:
+                    layers[id(w)] = w
+        _LRU_WRAPPERS = (len(sys.modules), list(every.values()), list(layers.values()))
     return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
 
 
-def _layer_caches() -> list[Any]:
-    """The caches of modelling code, each module read once (its namespace is complete once imported)."""
-    for name, module in list(sys.modules.items()):
-        if name not in _MODULE_CACHES:
-            _MODULE_CACHES[name] = _caches_of_module(module) if _defines_layers(module) else []
-    return list({id(w): w for caches in _MODULE_CACHES.values() for w in caches}.values())
-
-
-def _caches_imported_since(count: int) -> list[Any]:
-    """The module-level caches of the modules imported after the first ``count`` (read from their
-    namespaces: a trace that imports modules needs no second pass over every object)."""
-    found = []
-    for _, module in list(sys.modules.items())[count:]:
-        found += _caches_of_module(module)
+def _module_caches(name: str, module: Any) -> tuple[list[Any], bool]:
+    """A module's caches and whether it defines layers, read once (a namespace is complete once
+    imported; ``__main__``, still being written, is read each time)."""
+    found = _MODULE_CACHES.get(name)
+    if found is None:
+        found = ([], False) if _left_alone(name) else _read_module(module)
+        if name != "__main__":
+            _MODULE_CACHES[name] = found
     return found
 
 
-_MODULE_CACHES: dict[str, list[Any]] = {}
+def _left_alone(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in ("torch", "batchfit") or top in sys.stdlib_module_names
 
 
-def _defines_layers(module: Any) -> bool:
-    name = getattr(module, "__name__", None) or ""
-    if name.split(".")[0] in ("torch", "batchfit", "__main__") or name in sys.stdlib_module_names:
-        return False
-    try:
-        return any(isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == name
-                   for v in list(vars(module).values()))  # fmt: skip
-    except Exception:  # a module whose namespace cannot be read holds no layers we trace
-        return False
+def _caches_imported_since(count: int) -> list[Any]:
+    """The caches of the modules imported after the first ``count`` (read from their namespaces: a
+    trace that imports modules needs no second pass over the others)."""
+    found = []
+    for name, module in list(sys.modules.items())[count:]:
+        found += _module_caches(name, module)[0]
+    return found
 
 
-def _caches_of_module(module: Any) -> list[Any]:
-    try:
-        return list(_caches_of(module))
-    except Exception:  # an attribute that raises when read (a proxy): no cache of ours to find there
-        return []
+_MODULE_CACHES: dict[str, tuple[list[Any], bool]] = {}
 
 
-def _caches_of(module: Any) -> Iterator[Any]:
+def _read_module(module: Any) -> tuple[list[Any], bool]:
     """The ``lru_cache`` wrappers of a module's functions and of its classes' methods, including those a
-    decorator keeps in its closure (transformers' ``compile_compatible_method_lru_cache``)."""
-    name = module.__name__
-    for value in list(vars(module).values()):
-        if isinstance(value, type) and value.__module__ == name:
-            members = list(vars(value).values())
-        elif getattr(value, "__module__", None) == name:
-            members = [value]
-        else:
-            continue
-        for member in members:
-            func = getattr(member, "__func__", member)  # staticmethod, classmethod
-            if type(func) is functools._lru_cache_wrapper:
-                yield func
-            for cell in getattr(func, "__closure__", None) or ():
-                try:
-                    content = cell.cell_contents
-                except ValueError:  # an empty cell
+    decorator keeps in its closure (transformers' ``compile_compatible_method_lru_cache``), and whether
+    it defines a layer (an ``nn.Module``); one pass over its namespace."""
+    try:
+        name = module.__name__
+        caches: list[Any] = []
+        layers = False
+        for value in list(vars(module).values()):
+            if isinstance(value, type):
+                if value.__module__ != name:
                     continue
-                if type(content) is functools._lru_cache_wrapper:
-                    yield content
+                layers = layers or issubclass(value, torch.nn.Module)
+                members: Any = list(vars(value).values())
+            elif getattr(value, "__module__", None) == name:
+                members = (value,)
+            else:
+                continue
+            for member in members:
+                func = getattr(member, "__func__", member)  # staticmethod, classmethod
+                if type(func) is _LRU_WRAPPER:
+                    caches.append(func)
+                for cell in getattr(func, "__closure__", None) or ():
+                    try:
+                        content = cell.cell_contents
+                    except ValueError:  # an empty cell
+                        continue
+                    if type(content) is _LRU_WRAPPER:
+                        caches.append(content)
+        return caches, layers
+    except Exception:  # an attribute that raises when read (a proxy): no cache or layer of ours to find there
+        return [], False
+
+
+_LRU_WRAPPER = functools._lru_cache_wrapper
 
 
 @contextlib.contextmanager

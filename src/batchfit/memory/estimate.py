@@ -21,6 +21,7 @@ from typing import Any
 from ..gpu.catalog import Device
 from .allocator import replay, round_size
 from .categories import ORDER, Category
+from .heap import older_objects_frozen
 from .trace import MemoryTrace
 
 
@@ -139,6 +140,7 @@ def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
     return PeakReading(peak, peak_index, by_category, modules)
 
 
+@older_objects_frozen
 def estimate_from_trace(
     trace: MemoryTrace,
     *,
@@ -296,6 +298,7 @@ def estimate(
     return finish_estimate(trace, workload, batch_size, dev, policy, classes, expandable_segments)
 
 
+@older_objects_frozen
 def trace_for_device(
     workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
     announce: Callable[[], None] | None = None,
