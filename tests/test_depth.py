@@ -5,6 +5,7 @@ and FSDP; a model that does not repeat as assumed is traced at full depth and it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
@@ -448,3 +449,38 @@ def test_a_torchscript_function_traces_alike_on_its_first_calls_and_later_ones()
     assert blocks == 6, written.notes
     assert everything(written) == everything(real)
     assert everything(_trace(wl, True)) == everything(written)
+
+
+def test_the_meta_build_writes_no_values_and_leaves_real_tensors_initialised() -> None:
+    """The stacks are found on a ``meta`` build (``memory/stackplan.py``), where initialisers write
+    nothing: they are skipped there, and only there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from batchfit.memory.stackplan import _values_not_written
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def built(skip: bool) -> tuple[nn.Module, list[str]]:
+        with torch.device("meta"), Ops() as ops, _values_not_written() if skip else contextlib.nullcontext():
+            model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Embedding(5, 16))
+            nn.init.trunc_normal_(model[2].weight, std=0.02)
+        return model, ops.seen
+
+    plain, plain_ops = built(False)
+    skipped, skipped_ops = built(True)
+    assert {"uniform_.default", "normal_.default"} <= set(plain_ops)
+    assert not {op for op in skipped_ops if op.endswith(("uniform_.default", "normal_.default", "fill_.Scalar"))}
+    assert [(k, p.shape, p.dtype, p.is_meta) for k, p in skipped.named_parameters()] == [
+        (k, p.shape, p.dtype, p.is_meta) for k, p in plain.named_parameters()
+    ]
+    real = torch.zeros(1000)
+    with _values_not_written():
+        nn.init.uniform_(real, 1.0, 2.0)
+    assert bool((real >= 1.0).all())  # a tensor with values is initialised as ever

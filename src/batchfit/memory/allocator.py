@@ -29,7 +29,7 @@ Limitations:
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,7 +50,12 @@ from .blocks import (
     allocation_size,
     round_size,
 )
-from .expandable import EXPANDABLE_SPACE_EXTRA_DIV, UNLIMITED_ADDRESS_SPACE, ExpandableSegments
+from .expandable import (
+    EXPANDABLE_SPACE_EXTRA_DIV,
+    UNLIMITED_ADDRESS_SPACE,
+    ExpandableSegments,
+    _best_growable,
+)
 
 __all__ = [
     "EXPANDABLE_SPACE_EXTRA_DIV",
@@ -137,38 +142,9 @@ class CachingAllocator(ExpandableSegments):
             torch.OutOfMemoryError: no cached block fits and a new segment does not fit in the capacity,
                 even after releasing every fully free cached segment. Those segments stay released.
         """
-        self._events += 1
-        size = round_size(nbytes)
-        if size == 0:
-            return 0
-        pool = self._small if size <= SMALL_SIZE else self._large
-        block = self._get_free_block(pool, size)
+        block = self._malloc_block(nbytes)
         if block is None:
-            alloc_size = allocation_size(size)
-            block = self._alloc_block(pool, size, alloc_size)
-            if block is None:
-                self._release_cached_blocks()
-                self.num_alloc_retries += 1
-                block = self._alloc_block(pool, size, alloc_size)
-            if block is None:
-                self.num_ooms += 1
-                if self._oom_at_event is None:
-                    self._oom_at_event = self._events - 1
-                raise torch.OutOfMemoryError(self._oom_message(alloc_size))
-        remaining = block.size - size
-        # should_split: a large cudaMalloc block keeps a leftover of up to 1 MiB rather than splitting it.
-        fine = pool.small or self.expandable_segments
-        if remaining >= MIN_BLOCK_SIZE if fine else remaining > SMALL_SIZE:
-            head = _Block(block.ptr, size, pool, block.seg)
-            head.splice(block.prev, block)
-            block.ptr += size
-            block.size = remaining
-            pool.add(block)
-            block = head
-        block.allocated = True
-        self.allocated_bytes += block.size  # the whole block, leftover included, as memory_allocated counts
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
+            return 0
         handle = next(self._handles)
         self._live[handle] = block
         return handle
@@ -179,17 +155,65 @@ class CachingAllocator(ExpandableSegments):
         Raises:
             ConfigError: the handle is not live (never returned by ``malloc``, or already freed).
         """
-        self._events += 1
-        if handle == 0:
-            return
         block = self._live.pop(handle, None)
-        if block is None:
+        if block is None and handle != 0:
+            self._events += 1
             raise ConfigError(f"free of handle {handle}, which is not a live allocation")
+        self._free_block(block)
+
+    def _malloc_block(self, nbytes: int) -> _Block | None:
+        """``malloc`` without the handle: the allocated block, or None for an empty request.
+
+        ``replay`` keeps blocks under its own keys, so its hot loop needs no handle table.
+        """
+        self._events += 1
+        if nbytes <= 0:
+            round_size(nbytes)  # a ConfigError for a negative size
+            return None
+        size = -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE  # round_size, inlined on this hot path
+        small = size <= SMALL_SIZE
+        pool = self._small if small else self._large
+        expandable = self.expandable_segments
+        # get_free_block: best fit, the smallest free block of at least size, lowest address first ((size,)
+        # sorts before every entry of that size). Inlined: it runs once per malloc.
+        free = pool.free
+        i = bisect_left(free, (size,))
+        if i == len(free):
+            block = self._alloc_block_or_oom(pool, size)
+        else:
+            if expandable:
+                i = _best_growable(free, i)
+            block = free.pop(i)[2]
+        remaining = block.size - size
+        # should_split: a large cudaMalloc block keeps a leftover of up to 1 MiB rather than splitting it.
+        if remaining >= MIN_BLOCK_SIZE if small or expandable else remaining > SMALL_SIZE:
+            head = _Block(block.ptr, size, pool, block.seg)
+            head.splice(block.prev, block)
+            block.ptr += size
+            block.size = remaining
+            insort(free, (remaining, block.ptr, block))  # pool.add
+            block = head
+        block.allocated = True
+        # the whole block, leftover included, as memory_allocated counts
+        allocated = self.allocated_bytes = self.allocated_bytes + block.size
+        if allocated > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = allocated
+        return block
+
+    def _free_block(self, block: _Block | None) -> None:
+        """``free`` of a block rather than a handle; None is an empty request's, which frees nothing."""
+        self._events += 1
+        if block is None:
+            return
         block.allocated = False
         self.allocated_bytes -= block.size
-        _try_merge(block, block.prev)
-        _try_merge(block, block.next)
-        block.pool.add(block)
+        # Most neighbours are allocated: look before calling _try_merge, which checks again.
+        prev, after = block.prev, block.next
+        if prev is not None and not prev.allocated:
+            _try_merge(block, prev)
+        if after is not None and not after.allocated:
+            _try_merge(block, after)
+        insort(block.pool.free, (block.size, block.ptr, block))  # pool.add, inlined: once per free
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache``: release every fully free segment and every free expandable page."""
@@ -227,7 +251,8 @@ class CachingAllocator(ExpandableSegments):
         """Segments by address, as ``torch.cuda.memory_snapshot`` lists them; sizes add up to reserved."""
         blocks = [*self._live.values()]
         for pool in (self._small, self._large):
-            blocks += [*pool.by_ptr.values(), *pool.unmapped.values()]
+            blocks += [entry[2] for entry in pool.free]
+            blocks += pool.unmapped.values()
         result = []
         for head in sorted(blocks, key=lambda b: (b.pool.small, b.ptr)):
             if not head.mapped or (head.prev is not None and head.prev.mapped):
@@ -247,22 +272,24 @@ class CachingAllocator(ExpandableSegments):
             self.peak_reserved_bytes = self.reserved_bytes
             self._peak_event = self._events - 1
 
-    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
-        """``get_free_block``: best fit: smallest free block of at least ``size``, lowest address first."""
-        free = pool.free
-        i = bisect_left(free, (size, 0))
-        if i == len(free):
-            return None
-        if self.expandable_segments:
-            # A free block followed by unmapped space can grow, so C++ ranks it by the size it can grow to
-            # and moves on while the next block is smaller in that sense.
-            def grown(j: int) -> int:
-                b = pool.by_ptr[free[j][1]]
-                return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+    def _alloc_block_or_oom(self, pool: _Pool, size: int) -> _Block:
+        """A new segment for ``size``, releasing cached segments and retrying once if it does not fit.
 
-            while i + 1 < len(free) and grown(i + 1) < grown(i):
-                i += 1
-        return pool.by_ptr.pop(free.pop(i)[1])
+        Raises:
+            torch.OutOfMemoryError: the retry did not fit either.
+        """
+        alloc_size = allocation_size(size)
+        block = self._alloc_block(pool, size, alloc_size)
+        if block is None:
+            self._release_cached_blocks()
+            self.num_alloc_retries += 1
+            block = self._alloc_block(pool, size, alloc_size)
+        if block is None:
+            self.num_ooms += 1
+            if self._oom_at_event is None:
+                self._oom_at_event = self._events - 1
+            raise torch.OutOfMemoryError(self._oom_message(alloc_size))
+        return block
 
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> _Block | None:
         """``alloc_block``: a new cudaMalloc segment, or new pages of an expandable segment; None if full."""
@@ -278,8 +305,7 @@ class CachingAllocator(ExpandableSegments):
         """``release_cached_blocks``: cudaFree unsplit free segments, unmap whole free expandable pages."""
         for pool in (self._large, self._small):
             to_unmap = []
-            for _, ptr in list(pool.free):
-                block = pool.by_ptr[ptr]
+            for _, _, block in list(pool.free):
                 if block.seg is not None:
                     to_unmap.append(block)
                 elif block.prev is None and block.next is None:
@@ -323,18 +349,20 @@ def replay(
         ConfigError: a free of a key that is not live, or an allocation reusing a live key.
     """
     alloc = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
-    handles: dict[int, int] = {}
+    malloc, free = alloc._malloc_block, alloc._free_block
+    blocks: dict[int, _Block | None] = {}
     for is_alloc, key, nbytes in events:
         if is_alloc:
-            if key in handles:
+            if key in blocks:
                 raise ConfigError(f"allocation key {key} is already live; free it before reusing the key")
             try:
-                handles[key] = alloc.malloc(nbytes)
+                blocks[key] = malloc(nbytes)
             except torch.OutOfMemoryError:
                 break
         else:
-            handle = handles.pop(key, None)
-            if handle is None:
-                raise ConfigError(f"free of key {key}, which has no live allocation")
-            alloc.free(handle)
+            try:
+                block = blocks.pop(key)
+            except KeyError:
+                raise ConfigError(f"free of key {key}, which has no live allocation") from None
+            free(block)
     return alloc.stats()

@@ -64,23 +64,25 @@ class SegmentInfo(NamedTuple):
 
 
 class _Pool:
-    """Cached free blocks of one pool, ordered like ``BlockComparatorSize``: by (size, address)."""
+    """Cached free blocks of one pool, ordered like ``BlockComparatorSize``: by (size, address).
 
-    __slots__ = ("small", "free", "by_ptr", "unmapped")
+    ``free`` holds ``(size, address, block)``: free blocks never share an address, so entries compare on
+    the first two and a best-fit search hands back the block itself, with no lookup by address.
+    """
+
+    __slots__ = ("small", "free", "unmapped")
 
     def __init__(self, small: bool) -> None:
         self.small = small
-        self.free: list[tuple[int, int]] = []
-        self.by_ptr: dict[int, _Block] = {}
+        self.free: list[tuple[int, int, _Block]] = []
         self.unmapped: dict[int, _Block] = {}  # expandable address space without pages, by address
 
     def add(self, block: _Block) -> None:
-        insort(self.free, (block.size, block.ptr))
-        self.by_ptr[block.ptr] = block
+        insort(self.free, (block.size, block.ptr, block))
 
     def remove(self, block: _Block) -> None:
+        # (size, address) sorts just before its own entry, whatever the block
         del self.free[bisect_left(self.free, (block.size, block.ptr))]
-        del self.by_ptr[block.ptr]
 
 
 class _Block:

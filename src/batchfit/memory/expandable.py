@@ -21,6 +21,26 @@ EXPANDABLE_SPACE_EXTRA_DIV = 8
 UNLIMITED_ADDRESS_SPACE = 1 << 50
 
 
+def _best_growable(free: list[tuple[int, int, _Block]], i: int) -> int:
+    """``get_free_block`` with expandable segments: which entry of ``free`` to take, from the best fit ``i`` on.
+
+    A free block followed by unmapped space can grow, so C++ ranks it by the size it can grow to and moves
+    on while the next block is smaller in that sense.
+    """
+    grown = _growable_size(free[i][2])
+    while i + 1 < len(free):
+        grown_next = _growable_size(free[i + 1][2])
+        if grown_next >= grown:
+            break
+        i, grown = i + 1, grown_next
+    return i
+
+
+def _growable_size(block: _Block) -> int:
+    after = block.next
+    return block.size + (after.size if after is not None and not after.mapped else 0)
+
+
 class ExpandableSegments:
     """The expandable-segment methods of ``CachingAllocator`` (a mixin: it keeps no state of its own)."""
 

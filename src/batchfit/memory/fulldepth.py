@@ -14,6 +14,7 @@ are. FLOPs and notes are the traced blocks' and the template's for every written
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from .blocklabels import Labels
@@ -37,6 +38,35 @@ def write_full_depth(trace: MemoryTrace, labels: Labels, stacks: list[Stack], ro
     return writer.write()
 
 
+@dataclass(eq=False)
+class _Template:
+    """One phase of a sweep's template, compiled once for every turn written from it.
+
+    ``entries`` are the pairs of middle events with what each block reads (``_Writer._reading``), as
+    ``_emit_middle`` writes them one by one: a middle turn's own, or a block ``near`` an end. Every other
+    written block does the same ``steps``, so ``_write_block`` resolves nothing but the storages of its
+    neighbours. Either way a written block's storages are fresh, the ``n``-th it makes named ``keys[n]``.
+    """
+
+    sweep: Sweep
+    phase: int
+    entries: list[tuple] = field(default_factory=list)
+    steps: list[tuple[Key, list[int | None], int | None, tuple]] = field(default_factory=list)
+    """``(key, its row of _Writer.at, None, hand-overs)`` for a storage made; ``(..., distance, ...)``
+    for one freed, the storage of that key ``distance`` blocks away."""
+    near: set[int] = field(default_factory=set)
+    """Full indices of the blocks that read an end's storage somewhere (written entry by entry)."""
+    keys: list[Key] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    names: list[tuple[str, int | None, str]] = field(default_factory=list)
+    """The distinct ``BlockNames.written_parts`` of the storages' modules; ``name_of`` indexes them."""
+    name_of: list[int] = field(default_factory=list)
+    tables: list[tuple[dict, list[int], list[Any]]] = field(default_factory=list)
+    """``(table, ns, values)``: the output's role, op and rows, ``values[i]`` that of the ``ns[i]``-th
+    storage made."""
+    paged: list[int] = field(default_factory=list)
+
+
 class _Writer(SweepReader):
     """Writes the full-depth trace from what ``SweepReader`` read."""
 
@@ -46,8 +76,13 @@ class _Writer(SweepReader):
                           module={}, notes=[], flops={}, paged=set(t.paged))  # fmt: skip
         self.out = out
         self.fresh = max(t.nbytes, default=-1) + 1
-        self.written: dict[tuple[Key, int], int] = {}  # (key, full block) -> written sid
-        self._names_written: dict[tuple[str, int, int], str] = {}
+        # key -> its storage in each block of the full stack (None: none yet): the kept storages, and
+        # the written ones as they are written (a key names its sweep, so its stack)
+        self.at: dict[Key, list[int | None]] = {}
+        for (key, kept), sid in self.by_key.items():
+            st = self.stacks[self.sweeps[key[0]].stack]
+            self.at.setdefault(key, [None] * st.length)[st.full_of(kept)] = sid
+        self.written: list[tuple[_Template, int]] = []  # each written block's template and first storage
         for sid, name in t.module.items():
             turn = self.turn.get(self.born.get(sid, -1))
             if turn is None:
@@ -55,16 +90,16 @@ class _Writer(SweepReader):
             else:
                 out.module[sid] = self.names.written(name, turn[1], turn[2], self._full(turn[1], turn[2]))
         new_index: dict[int, int] = {}
-        compiled: dict[tuple[int, int], list[tuple]] = {}
-        starts = {sweep.start: sweep for sweep in self.sweeps}
+        compiled: dict[tuple[int, int], _Template] = {}
+        starts = {sweep.start: (s, sweep) for s, sweep in enumerate(self.sweeps)}
         i, n = 0, len(t.events)
         while i < n:
-            sweep = starts.get(i)
-            if sweep is None:
+            if i not in starts:
                 new_index[i] = len(out.events)
                 self._emit(i, None, 0, 0)
                 i += 1
                 continue
+            s, sweep = starts[i]
             st = self.stacks[sweep.stack]
             for full, kept in self._turns(sweep):
                 if kept is not None and not st.period <= kept < 3 * st.period:  # an end block's own turn
@@ -74,14 +109,19 @@ class _Writer(SweepReader):
                         self._emit(x, sweep.stack, kept, full)
                     continue
                 phase = full % st.period
-                template = compiled.get((id(sweep), phase))
+                template = compiled.get((s, phase))
                 if template is None:
-                    template = compiled[(id(sweep), phase)] = self._compile(sweep, phase)
-                for entry in template:
+                    template = compiled[(s, phase)] = self._compile(sweep, phase)
+                if kept is None:
+                    self.written.append((template, self.fresh))
+                    if full not in template.near:
+                        self._write_block(template, full)
+                        continue
+                for entry in template.entries:  # a middle turn's own, or a written block next to an end
                     own = entry[0] if kept == phase + st.period else entry[1] if kept == phase + 2 * st.period else None
                     if own is not None:
                         new_index[own] = len(out.events)
-                    self._emit_middle(sweep, phase, entry, full, own)
+                    self._emit_middle(template, entry, full, own)
             i = sweep.end
         new_index[n] = len(out.events)
         for _, sid, copied, made in self.grads.get(n, ()):
@@ -116,11 +156,9 @@ class _Writer(SweepReader):
         return self._storage(key, full + turn[2] - block, stack)
 
     def _storage(self, key: Key, full: int, stack: int) -> int:
-        st = self.stacks[stack]
-        if not 0 <= full < st.length:
+        if not 0 <= full < self.stacks[stack].length:
             raise Irregular("a block frees a storage of a block the stack does not have")
-        kept = st.kept_of(full)
-        sid = self.by_key.get((key, kept)) if kept is not None else self.written.get((key, full))
+        sid = self.at[key][full]
         if sid is None:
             raise Irregular("a block frees a storage its neighbour does not make")
         return sid
@@ -134,28 +172,94 @@ class _Writer(SweepReader):
         e = self.t.events[index]
         out.events.append(e if e >= 0 else ~self._target(~e, stack, block, full))
 
-    def _compile(self, sweep: Sweep, phase: int) -> list[tuple]:
-        """The template of ``phase`` as ``_emit_middle`` writes it: each pair of middle events with what
-        they free or hand over, read once for all the blocks written from it."""
-        period = self.stacks[sweep.stack].period
+    def _compile(self, sweep: Sweep, phase: int) -> _Template:
+        """The template of ``phase``, read once for all the blocks written from it (``_Template``)."""
+        t, out, stack = self.t, self.out, sweep.stack
+        period = self.stacks[stack].period
         blocks = (phase + period, phase + 2 * period)
-        out = []
+        tpl = _Template(sweep, phase)
+        tables: list[tuple[dict, list[int], list[Any]]] = [(table, [], []) for table in (out.role, out.op, out.rows)]
+        names: dict[tuple[str, int | None, str], int] = {}
         for a, b in sweep.templates[phase]:
-            refs = list(zip(self._refs(a, sweep.stack, blocks[0]), self._refs(b, sweep.stack, blocks[1])))
+            refs = zip(self._refs(a, stack, blocks[0]), self._refs(b, stack, blocks[1]))
+            readings = [self._reading(sweep, phase, ra, rb) for ra, rb in refs]
             hands = [(sid, copied, made) for _, sid, copied, made in self.grads.get(a, ())]
-            out.append((a, b, self.t.events[a], refs, hands))
-        return out
+            e = t.events[a]
+            tpl.entries.append((a, b, e, readings, hands))
+            for _, ends in readings:
+                tpl.near.update(at for at, _, _ in ends)
+            between = [between for between, _ in readings]  # what a written block reads of its neighbours
+            if e < 0:  # the storage it frees, then those it hands over
+                key, distance = between.pop(0)  # type: ignore[misc]
+            else:
+                key, distance = self.key[e], None
+                made = len(tpl.keys)
+                tpl.keys.append(key)
+                tpl.nbytes.append(t.nbytes[e])
+                parts = self.names.written_parts(t.module.get(e, ""), stack, blocks[0])
+                tpl.name_of.append(names.setdefault(parts, len(names)))
+                for (_, ns, values), source in zip(tables, (t.role, t.op, t.rows)):
+                    if e in source:
+                        ns.append(made)
+                        values.append(source[e])  # type: ignore[index]
+                if e in t.paged:
+                    tpl.paged.append(made)
+            hand_overs = tuple(
+                (target, copied, self._made_parts(made, sid, stack, blocks[0]))
+                for target, (sid, copied, made) in zip(between, hands)
+            )
+            tpl.steps.append((key, self.at[key], distance, hand_overs))
+        tpl.names = list(names)
+        tpl.tables = [table for table in tables if table[1]]
+        return tpl
 
-    def _emit_middle(self, sweep: Sweep, phase: int, entry: tuple, full: int, own: int | None) -> None:
+    def _write_block(self, tpl: _Template, full: int) -> None:
+        """The turn of written block ``full`` (not next to an end), from ``tpl``: its storages fresh, made
+        in the template's order, the storages it frees its neighbours' by their distance."""
+        out, stack = self.out, tpl.sweep.stack
+        events = out.events
+        length = self.stacks[stack].length
+        base = sid = self.fresh
+        for key, row, distance, hand_overs in tpl.steps:
+            if hand_overs:
+                self._hand_over(tpl, hand_overs, full)
+            if distance is None:
+                row[full] = sid
+                events.append(sid)
+                sid += 1
+            else:
+                at = full + distance
+                freed = row[at] if 0 <= at < length else None
+                if freed is None:
+                    freed = self._storage(key, at, stack)  # raises: no such storage
+                events.append(~freed)
+        self.fresh = sid
+        made = range(base, sid)
+        numbered = base.__add__  # the n-th storage made -> its sid
+        out.nbytes.update(zip(made, tpl.nbytes))
+        names = [self.names.name_at(parts, full) for parts in tpl.names]
+        out.module.update(zip(made, map(names.__getitem__, tpl.name_of)))
+        for table, ns, values in tpl.tables:
+            table.update(zip(map(numbered, ns), values))
+        out.paged.update(map(numbered, tpl.paged))
+
+    def _hand_over(self, tpl: _Template, hand_overs: tuple, full: int) -> None:
+        """The gradients written block ``full`` hands over before a step of ``tpl`` (``_write_block``)."""
+        out, stack = self.out, tpl.sweep.stack
+        for between, copied, made in hand_overs:
+            target = None if between is None else self._storage(between[0], full + between[1], stack)
+            out.grads.append((len(out.events), target, copied, self.names.name_at(made, full)))
+
+    def _emit_middle(self, tpl: _Template, entry: tuple, full: int, own: int | None) -> None:
         """A template event as block ``full``'s: a middle turn's own (``own``, its event index), or a
         written block's with a fresh storage."""
-        out, t, stack = self.out, self.t, sweep.stack
-        _, _, e, refs, hands = entry
+        out, t, stack = self.out, self.t, tpl.sweep.stack
+        _, _, e, readings, hands = entry
         if e >= 0 and own is not None and not hands:  # a middle turn's own allocation, as it is
             out.events.append(t.events[own])
             return
-        block = phase + self.stacks[stack].period
-        targets = [self._pick(sweep, phase, ra, rb, full) for ra, rb in refs]
+        block = tpl.phase + self.stacks[stack].period
+        targets = [self._pick(reading, full, stack) for reading in readings]
         if e < 0:
             freed, targets = targets[0], targets[1:]
         for (sid, copied, made), target in zip(hands, targets):
@@ -167,32 +271,29 @@ class _Writer(SweepReader):
         else:
             sid = self.fresh
             self.fresh += 1
-            self.written[(self.key[e], full)] = sid
+            self.at[self.key[e]][full] = sid
             out.events.append(sid)
             out.nbytes[sid] = t.nbytes[e]
-            out.module[sid] = self._written_name(t.module.get(e, ""), stack, block, full)
+            out.module[sid] = self.names.written(t.module.get(e, ""), stack, block, full)
             for table in (out.role, out.op, out.rows):
                 if e in table:
                     table[sid] = table[e]  # type: ignore[index]
             if e in t.paged:
                 out.paged.add(sid)
 
-    def _written_name(self, name: str, stack: int, block: int, full: int) -> str:
-        key = (name, block, full)
-        found = self._names_written.get(key)
-        if found is None:
-            found = self._names_written[key] = self.names.written(name, stack, block, full)
-        return found
-
     def _made_in(self, made: str, sid: int | None, stack: int | None, block: int, full: int) -> str:
         """The module that made a handed-over gradient, named as its storage is: by distance from the
         turn handing it over when the storage is a neighbour's, else as the turn that made it is."""
+        return self.names.name_at(self._made_parts(made, sid, stack, block), full)
+
+    def _made_parts(self, made: str, sid: int | None, stack: int | None, block: int) -> tuple[str, int | None, str]:
+        """``_made_in`` for every ``full`` at once (``BlockNames.written_parts``)."""
         turn = self.turn.get(self.born.get(sid, -1)) if sid is not None else None
         if turn is None or (turn[1] == stack and sid in self.key):
-            return self.names.written(made, stack, block, full)
+            return self.names.written_parts(made, stack, block)
         st = self.stacks[turn[1]]
         target = st.seen_from_outside(turn[2]) if sid in self.key else st.full_of(turn[2])
-        return self.names.written(made, turn[1], turn[2], target)
+        return self.names.written(made, turn[1], turn[2], target), None, ""
 
     def _flops(self) -> dict[tuple[str, int], int]:
         totals: dict[tuple[str, int], int] = {}
@@ -214,50 +315,63 @@ class _Writer(SweepReader):
     def _check(self) -> None:
         """Every storage born once, freed at most once, after its birth; written storages freed as the
         kept ones of their kind are."""
-        alive: set[int] = set()
-        born: set[int] = set()
-        freed: set[int] = set()
+        alive: dict[int, bool] = {}  # every storage born so far: whether it is still alive
         for e in self.out.events:
             if e >= 0:
-                if e in born:
+                if e in alive:
                     raise Irregular("the written trace allocates a storage twice")
-                born.add(e)
-                alive.add(e)
+                alive[e] = True
+            elif alive.get(~e):
+                alive[~e] = False
             else:
-                if ~e not in alive:
-                    raise Irregular("the written trace frees a storage that is not alive")
-                alive.discard(~e)
-                freed.add(~e)
-        for (key, _), sid in self.written.items():
-            period = self.stacks[self.sweeps[key[0]].stack].period
-            kinds = {self.by_key[(key, key[1] + period)] in freed, self.by_key[(key, key[1] + 2 * period)] in freed}
-            if len(kinds) == 1 and (sid in freed) not in kinds:
+                raise Irregular("the written trace frees a storage that is not alive")
+        freed = {sid for sid, is_alive in alive.items() if not is_alive}
+        kinds: dict[_Template, tuple[list[int], list[int]]] = {}  # n-th storages freed / kept in both middles
+        for tpl, base in self.written:
+            if tpl not in kinds:
+                period = self.stacks[tpl.sweep.stack].period
+                middles = [{self.by_key[(key, key[1] + k * period)] in freed for k in (1, 2)} for key in tpl.keys]
+                kinds[tpl] = ([n for n, m in enumerate(middles) if m == {True}],
+                              [n for n, m in enumerate(middles) if m == {False}])  # fmt: skip
+            freed_in_both, kept_in_both = kinds[tpl]
+            numbered = base.__add__  # the n-th storage the block made -> its sid
+            if not (freed.issuperset(map(numbered, freed_in_both)) and freed.isdisjoint(map(numbered, kept_in_both))):
                 raise Irregular("a written block's storage lives differently from the traced blocks' own")
 
-
-    def _pick(self, sweep: Sweep, phase: int, ra: tuple, rb: tuple, full: int) -> int | None:
-        """The storage a block between the ends (full index ``full``) frees or hands over where the two
-        middle turns freed ``ra`` and ``rb``: an end block's own, where the block is next to that end as
-        the middle turn that read it was; else what the middle turns do between themselves."""
+    def _reading(self, sweep: Sweep, phase: int, ra: tuple, rb: tuple) -> tuple[tuple[Key, int] | None, list[tuple]]:
+        """What a block between the ends frees or hands over where the two middle turns freed ``ra`` and
+        ``rb``: ``(between, ends)``. ``between`` is what the middle turns do between themselves, the
+        storage ``(key, distance)`` from the block (None: no storage); ``ends`` lists the blocks that
+        take an end block's own instead, next to that end as the middle turn that read it was:
+        ``(full index, key, full index of the end)``, or ``(full index, None, sid)`` for the end's
+        storage itself."""
         st = self.stacks[sweep.stack]
         if ra == rb:
-            return None if ra[1] is None else self._storage(ra[2], full + ra[1], sweep.stack)
-        interior = None
+            return (None if ra[1] is None else (ra[2], ra[1])), []
+        between = None
+        ends: list[tuple] = []
         for ref, block in ((ra, phase + st.period), (rb, phase + 2 * st.period)):
             if self._to_middle(ref, sweep.stack, block):
-                interior = ref
-                continue
-            if ref[0] == "fixed":  # made before the sweep (``_carried``): that middle turn's own alone
-                if full == st.full_of(block):
-                    return ref[1]
-                continue
-            end = block + ref[1] if ref[0] == "rel" else self.turn[self.born[ref[1]]][2]
-            if full + end - block == st.full_of(end):  # next to that end, as the middle turn was
-                return self._storage(ref[2], st.full_of(end), sweep.stack) if ref[0] == "rel" else ref[1]
-        assert interior is not None
-        return self._storage(interior[2], full + interior[1], sweep.stack)
+                between = (ref[2], ref[1])
+            elif ref[0] == "fixed":  # made before the sweep (``_carried``): that middle turn's own alone
+                ends.append((st.full_of(block), None, ref[1]))
+            elif ref[0] == "rel":
+                end = block + ref[1]
+                ends.append((st.full_of(end) + block - end, ref[2], st.full_of(end)))
+            else:
+                end = self.turn[self.born[ref[1]]][2]
+                ends.append((st.full_of(end) + block - end, None, ref[1]))
+        assert between is not None  # ``_check_middles``: one of the two middle turns reads the other
+        return between, ends
 
-    # -- writing the full-depth trace ------------------------------------------------------------
+    def _pick(self, reading: tuple, full: int, stack: int) -> int | None:
+        """The storage block ``full`` frees or hands over where the middle turns read ``reading``
+        (``_reading``)."""
+        between, ends = reading
+        for where, key, end in ends:
+            if full == where:
+                return end if key is None else self._storage(key, end, stack)
+        return None if between is None else self._storage(between[0], full + between[1], stack)
 
 
 def _notes(notes: list[str], names: BlockNames, stacks: list[Stack]) -> list[str]:

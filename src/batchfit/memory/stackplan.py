@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .stacks import Stack, block_signatures, find_stacks
 
@@ -98,6 +99,32 @@ def _skipping_init(cls: type, init: Any, ordinals: frozenset[int]) -> Any:
     return __init__
 
 
+class _values_not_written(TorchFunctionMode):  # noqa: N801 - used as a context, like torch.device
+    """Initialisers that write values into a ``meta`` tensor return it as it is: it has no values, so
+    they would only cost the time of their decompositions (a third of a deep model's meta build)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _VALUE_WRITES:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+_VALUE_WRITES = frozenset(
+    [getattr(torch.Tensor, name) for name in ("uniform_", "normal_", "zero_", "fill_", "erfinv_", "mul_", "add_",
+                                              "clamp_", "copy_", "exponential_", "log_normal_", "bernoulli_",
+                                              "random_", "fill_diagonal_") if hasattr(torch.Tensor, name)]
+    + [getattr(torch.nn.init, name) for name in ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
+                                                 "zeros_", "eye_", "dirac_", "xavier_uniform_", "xavier_normal_",
+                                                 "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+       if hasattr(torch.nn.init, name)]
+)  # fmt: skip
+"""Tensor methods and ``torch.nn.init`` functions that change a tensor's values only (never its shape,
+dtype or device) and return it."""
+
+
 _PLANS: dict[tuple[str, str], CutPlan | None] = {}
 
 
@@ -148,7 +175,8 @@ def _plan(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
 
     nn.Module.__init__ = counting_init  # type: ignore[method-assign]
     try:
-        with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
+        with torch.device("meta"), default_dtype(param_dtype), fake_construction(), _values_not_written(), \
+                warnings.catch_warnings():  # fmt: skip
             warnings.simplefilter("ignore")
             model = workload.build_model()
     except Exception:  # noqa: BLE001 - a constructor meta refuses: the model is built whole on fake tensors

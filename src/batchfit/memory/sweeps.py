@@ -97,17 +97,27 @@ class BlockNames:
 
     def written(self, name: str, stack: int | None, block: int, full: int) -> str:
         """``name`` in the full model, for a storage of ``block`` (full index ``full``) of ``stack``."""
+        return self.name_at(self.written_parts(name, stack, block), full)
+
+    @staticmethod
+    def name_at(parts: tuple[str, int | None, str], full: int) -> str:
+        """The name ``written_parts`` gave ``parts`` of, for block ``full``."""
+        head, offset, tail = parts
+        return head if offset is None else f"{head}{full + offset}{tail}"
+
+    def written_parts(self, name: str, stack: int | None, block: int) -> tuple[str, int | None, str]:
+        """``written(name, stack, block, full)`` for every ``full`` at once, read once for all the blocks
+        written from one template: ``head``, where the name does not depend on ``full`` (``offset`` None),
+        else ``f"{head}{full + offset}{tail}"`` (a module of the block or of a neighbour)."""
         parsed = self.parse(name)
         if parsed is None:
-            return name
+            return name, None, ""
         s, index, rest = parsed
         st = self.stacks[s]
         b = index - st.start
         if s == stack and 0 <= b < st.kept:
-            index = st.start + full + (b - block)
-        else:
-            index = st.full_index(index)
-        return f"{self.prefixes[s]}{index}{rest}"
+            return self.prefixes[s], st.start + b - block, rest
+        return f"{self.prefixes[s]}{st.full_index(index)}{rest}", None, ""
 
 
 def frees_in_order(trace: MemoryTrace, labels: Labels) -> tuple[MemoryTrace, Labels]:
@@ -340,12 +350,14 @@ class SweepReader:
     def _pairs(self, sweep: Sweep, first: int, second: int, exact: bool = True) -> list[tuple[int, int]]:
         """The events of two turns aligned (only those that agree, unless ``exact``: then all must)."""
         (a0, a1), (b0, b1) = sweep.runs[first], sweep.runs[second]
+        if exact:  # paired by position: ``_check_middles`` compares them in full
+            if a1 - a0 != b1 - b0:
+                raise Irregular("two blocks between the ends of a stack do not repeat (their turns differ in length)")
+            return [(a0 + x, b0 + x) for x in range(a1 - a0)]
         sig_a = [self._coarse(i, sweep.stack, first) for i in range(a0, a1)]
         sig_b = [self._coarse(i, sweep.stack, second) for i in range(b0, b1)]
-        if len(sig_a) == len(sig_b) and (exact or sig_a == sig_b):
+        if sig_a == sig_b:
             return [(a0 + x, b0 + x) for x in range(a1 - a0)]
-        if exact:
-            raise Irregular("two blocks between the ends of a stack do not repeat (their turns differ in length)")
         pairs: list[tuple[int, int]] = []
         matcher = difflib.SequenceMatcher(None, sig_a, sig_b, autojunk=False)  # type: ignore[arg-type]
         for i, j, size in matcher.get_matching_blocks():
