@@ -303,3 +303,28 @@ def test_a_cache_of_a_module_the_trace_imports_is_left_empty(tmp_path, monkeypat
     model = LazyTable("lazy_table_mod")
     model(torch.randn(2, 16)).sum().backward()  # a real step, with a real table
     assert type(sys.modules["lazy_table_mod"].table(16)) is torch.Tensor
+
+
+def test_the_caches_watched_are_those_of_packages_that_can_hold_a_tensor(tmp_path, monkeypatch) -> None:
+    """A cache can hand a model a fake tensor only in a package that works with torch (binds it, or defines
+    a layer); a package torch never reaches (sympy's, numpy's) is not read."""
+    import importlib
+    import sys
+
+    from batchfit.memory import compat
+
+    cache = "import functools\n\n@functools.lru_cache\ndef table(n):\n    return n\n"
+    layer = "from torch import nn\n\nclass Layer(nn.Module):\n    pass\n"
+    sources = {"plain_cached_pkg": "", "torch_cached_pkg": "import torch\n", "layer_cached_pkg": layer}
+    for package, head in sources.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / "helpers.py").write_text(head + cache)
+        monkeypatch.delitem(sys.modules, package, raising=False)
+        monkeypatch.delitem(sys.modules, f"{package}.helpers", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tables = {p: importlib.import_module(f"{p}.helpers").table for p in ("plain_cached_pkg", "torch_cached_pkg",
+                                                                           "layer_cached_pkg")}  # fmt: skip
+    every, of_layers = compat._lru_wrappers()
+    assert [p for p, t in tables.items() if any(w is t for w in every)] == ["torch_cached_pkg", "layer_cached_pkg"]
+    assert [p for p, t in tables.items() if any(w is t for w in of_layers)] == ["layer_cached_pkg"]

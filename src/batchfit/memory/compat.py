@@ -95,22 +95,26 @@ _LRU_WRAPPERS: tuple[int, list[Any], list[Any]] = (-1, [], [])
 
 
 def _lru_wrappers() -> tuple[list[Any], list[Any]]:
-    """The ``functools.lru_cache`` wrappers of third-party code, and those of modelling code (modules that
-    define an ``nn.Module``), found once per set of imported modules.
+    """The ``functools.lru_cache`` wrappers of code that works with tensors, and those of modelling code
+    (modules that define an ``nn.Module``), found once per set of imported modules.
 
     Read from the modules' namespaces (module-level functions, class methods, and the caches a decorator
     keeps in its closure), each module once: that is where code keeps a cache that outlives a call, and
     it sees what a process that called ``gc.freeze()`` (a server preloading its models, a test suite)
-    hides from the collector. torch's, the standard library's and batchfit's own caches are left
-    alone: they hold dtypes, ops and shapes, never a model's tensors. (A scan of every object the
-    collector tracks found the same third-party caches and cost a model's estimate a tenth of a
-    second.)
+    hides from the collector. Read are the packages that can hand a model a tensor: those that define
+    a layer or import torch (``_tensor_packages``); torch's, the standard library's and batchfit's own
+    caches are left alone (they hold dtypes, ops and shapes), as are those of packages torch does not
+    reach (sympy's, numpy's). A scan of every object the collector tracks found the same caches and
+    cost a model's estimate a tenth of a second.
     """
     global _LRU_WRAPPERS
     if _LRU_WRAPPERS[0] != len(sys.modules):
         every: dict[int, Any] = {}
         layers: dict[int, Any] = {}
+        packages = _tensor_packages()
         for name, module in list(sys.modules.items()):
+            if name.partition(".")[0] not in packages and name != "__main__":
+                continue
             caches, defines_layers = _module_caches(name, module)
             for w in caches:
                 every[id(w)] = w
@@ -118,6 +122,23 @@ def _lru_wrappers() -> tuple[list[Any], list[Any]]:
                     layers[id(w)] = w
         _LRU_WRAPPERS = (len(sys.modules), list(every.values()), list(layers.values()))
     return _LRU_WRAPPERS[1], _LRU_WRAPPERS[2]
+
+
+def _tensor_packages() -> set[str]:
+    """Top-level packages with a module that binds ``torch`` or defines an ``nn.Module`` subclass."""
+    found = set()
+    for name, module in list(sys.modules.items()):
+        try:
+            if "torch" in vars(module):
+                found.add(name.partition(".")[0])
+        except TypeError:  # a module object without a namespace
+            continue
+    classes = [torch.nn.Module]
+    while classes:
+        for sub in type.__subclasses__(classes.pop()):
+            found.add(str(getattr(sub, "__module__", "")).partition(".")[0])
+            classes.append(sub)
+    return {p for p in found if not _left_alone(p)}
 
 
 def _module_caches(name: str, module: Any) -> tuple[list[Any], bool]:
@@ -138,10 +159,14 @@ def _left_alone(name: str) -> bool:
 
 def _caches_imported_since(count: int) -> list[Any]:
     """The caches of the modules imported after the first ``count`` (read from their namespaces: a
-    trace that imports modules needs no second pass over the others)."""
+    trace that imports modules needs no second pass over the others), of packages that can hold a
+    tensor (``_tensor_packages``, read again: a module the trace imported may be the first to bind
+    ``torch``)."""
+    packages = _tensor_packages()
     found = []
     for name, module in list(sys.modules.items())[count:]:
-        found += _module_caches(name, module)[0]
+        if name.partition(".")[0] in packages or name == "__main__":
+            found += _module_caches(name, module)[0]
     return found
 
 
@@ -161,28 +186,34 @@ def _read_module(module: Any) -> tuple[list[Any], bool]:
                 if value.__module__ != name:
                     continue
                 layers = layers or issubclass(value, torch.nn.Module)
-                members: Any = list(vars(value).values())
+                for member in list(vars(value).values()):
+                    _add_caches(member, caches)
             elif getattr(value, "__module__", None) == name:
-                members = (value,)
-            else:
-                continue
-            for member in members:
-                func = getattr(member, "__func__", member)  # staticmethod, classmethod
-                if type(func) is _LRU_WRAPPER:
-                    caches.append(func)
-                for cell in getattr(func, "__closure__", None) or ():
-                    try:
-                        content = cell.cell_contents
-                    except ValueError:  # an empty cell
-                        continue
-                    if type(content) is _LRU_WRAPPER:
-                        caches.append(content)
+                _add_caches(value, caches)
         return caches, layers
     except Exception:  # an attribute that raises when read (a proxy): no cache or layer of ours to find there
         return [], False
 
 
+def _add_caches(member: Any, caches: list[Any]) -> None:
+    kind = type(member)
+    if kind is staticmethod or kind is classmethod:
+        member = member.__func__
+        kind = type(member)
+    if kind is _LRU_WRAPPER:
+        caches.append(member)
+    elif kind is _FUNCTION:
+        for cell in member.__closure__ or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if type(content) is _LRU_WRAPPER:
+                caches.append(content)
+
+
 _LRU_WRAPPER = functools._lru_cache_wrapper
+_FUNCTION = type(_read_module)
 
 
 @contextlib.contextmanager
