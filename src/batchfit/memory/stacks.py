@@ -94,26 +94,31 @@ class Stack:
         return shallow + self.inserted if shallow >= self.start + 2 * self.period else shallow
 
 
-def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _read(module: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """A module's own tensors (parameters, buffers, plain tensor attributes) and its settings (simple
+    public attributes): one pass over its attributes."""
     found = [(k, t) for k, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
-    for k, v in vars(module).items():
-        if not k.startswith("_") and isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
-            found.append((k, v))
-    return found
-
-
-def _settings(module: nn.Module) -> dict[str, Any]:
-    out = {}
+    settings = {}
     for k, v in vars(module).items():
         if k.startswith("_") or k == "training":
             continue
-        if isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)):
-            out[k] = v
-    return out
+        if isinstance(v, torch.Tensor):
+            if not isinstance(v, nn.Parameter):
+                found.append((k, v))
+        elif isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)):
+            settings[k] = v
+    return found, settings
 
 
-def _raw_signature(block: nn.Module) -> tuple[list[Any], dict[tuple[str, str], Any], list[int], bool]:
-    """Structure, settings by (submodule, name), ids of its tensors, and whether any is uninitialised."""
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return _read(module)[0]
+
+
+def _raw_signature(
+    block: nn.Module, read: dict[int, Any] | None = None
+) -> tuple[list[Any], dict[tuple[str, str], Any], list[int], bool]:
+    """Structure, settings by (submodule, name), ids of its tensors, and whether any is uninitialised
+    (``read``: ``_read`` of the modules, by id, where the caller has it)."""
     from torch.nn.parameter import is_lazy
 
     rows: list[Any] = []
@@ -121,14 +126,15 @@ def _raw_signature(block: nn.Module) -> tuple[list[Any], dict[tuple[str, str], A
     ids: list[int] = []
     lazy = False
     for name, module in block.named_modules(remove_duplicate=False):
+        own, simple = read[id(module)] if read is not None else _read(module)
         tensors = []
-        for key, t in _tensors(module):
+        for key, t in own:
             lazy = lazy or is_lazy(t)
             ids.append(id(t))
             tensors.append((key, () if is_lazy(t) else tuple(t.shape), t.dtype, t.requires_grad, t.layout))
         hooks = (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks))
         rows.append((name, type(module), tuple(tensors), hooks))
-        for key, value in _settings(module).items():
+        for key, value in simple.items():
             settings[(name, key)] = value
     return rows, settings, ids, lazy
 
@@ -188,8 +194,10 @@ def find_stacks(model: nn.Module) -> tuple[list[Stack], list[str]]:
     reasons: list[str] = []
     inside: list[str] = []  # block prefixes of stacks found: containers under them are left alone
     owners: dict[int, int] = {}
+    read: dict[int, Any] = {}
     for _, module in model.named_modules(remove_duplicate=False):  # a module held twice counts twice
-        for _, t in _tensors(module):
+        own = read.setdefault(id(module), _read(module))
+        for _, t in own[0]:
             owners[id(t)] = owners.get(id(t), 0) + 1
     total = _elements(model)
     for path, container in model.named_modules():
@@ -201,7 +209,7 @@ def find_stacks(model: nn.Module) -> tuple[list[Stack], list[str]]:
         if blocks is None or len(blocks) < _MIN_CANDIDATE or len({type(b) for b in blocks}) > 1:
             continue
         where = path or type(model).__name__
-        stack, reason = _stack_of(path, blocks, owners)
+        stack, reason = _stack_of(path, blocks, owners, read)
         if stack is None:
             if 2 * _elements(container) >= total:  # most of the model: where a cut would have paid
                 reasons.append(f"{where}: {reason}")
@@ -217,8 +225,9 @@ def _elements(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if not is_lazy(p))
 
 
-def _stack_of(path: str, blocks: list[nn.Module], owners: dict[int, int]) -> tuple[Stack | None, str]:
-    raw = [_raw_signature(b) for b in blocks]
+def _stack_of(path: str, blocks: list[nn.Module], owners: dict[int, int],
+              read: dict[int, Any]) -> tuple[Stack | None, str]:  # fmt: skip
+    raw = [_raw_signature(b, read) for b in blocks]
     if any(lazy for *_, lazy in raw):
         return None, "its blocks have uninitialised (lazy) parameters"
     index_like = _index_like([settings for _, settings, _, _ in raw])
@@ -232,8 +241,10 @@ def _stack_of(path: str, blocks: list[nn.Module], owners: dict[int, int]) -> tup
         shared = any(owners.get(i, 0) > n for i, n in seen.items())
         sigs.append((type(block), tuple(rows), kept, shared))
     best: Stack | None = None
+    numbered: dict[Any, int] = {}
+    kinds = [numbered.setdefault(sig, len(numbered)) for sig in sigs]  # equal signatures, equal numbers
     for period in range(1, len(blocks) // (KEPT_PERIODS + 1) + 1):
-        start, end = _period_run(sigs, period)
+        start, end = _period_run(kinds, period)
         if any(sigs[i][3] for i in range(start, end)):
             continue
         stack = Stack(path, len(blocks), start, end - start, period)
