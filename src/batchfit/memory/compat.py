@@ -162,9 +162,10 @@ def _caches_imported_since(count: int) -> list[Any]:
     trace that imports modules needs no second pass over the others), of packages that can hold a
     tensor (``_tensor_packages``, read again: a module the trace imported may be the first to bind
     ``torch``)."""
-    packages = _tensor_packages()
+    new = list(sys.modules.items())[count:]
+    packages = _tensor_packages() if new else set()
     found = []
-    for name, module in list(sys.modules.items())[count:]:
+    for name, module in new:
         if name.partition(".")[0] in packages or name == "__main__":
             found += _module_caches(name, module)[0]
     return found

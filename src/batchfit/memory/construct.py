@@ -159,8 +159,9 @@ class _FakeDeepcopy(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def fake_construction() -> Iterator[None]:
-    """While active, constructors that move or cast fake parameters work (see the NOTE above)."""
+def fake_construction(fakes: bool = True) -> Iterator[None]:
+    """While active, constructors that move or cast fake parameters work (see the NOTE above); ``fakes``
+    False for a build on the ``meta`` device, whose tensors deep-copy as they are."""
     from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
     saved = {name: getattr(nn.Module, name) for name in ("_apply", "to", "cuda", "xpu", "mps", "npu")
@@ -175,7 +176,7 @@ def fake_construction() -> Iterator[None]:
     for cls, new in lazy_new.items():
         cls.__new__ = staticmethod(_real_placeholder(new.__func__ if isinstance(new, staticmethod) else new))
     try:
-        with warnings.catch_warnings(), _FakeDeepcopy():
+        with warnings.catch_warnings(), _FakeDeepcopy() if fakes else contextlib.nullcontext():
             # copy.deepcopy of a fake module reads data_ptr() (Tensor.__deepcopy__): harmless here
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from ..gpu.catalog import Device
@@ -116,15 +117,10 @@ def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
     size = {sid: (round_size(n) if rounded else n) for sid, n in trace.nbytes.items()}
     for sid in trace.paged:
         size[sid] = 0
-    live = peak = 0
-    peak_index = 0
-    for i, e in enumerate(trace.events):
-        if e >= 0:
-            live += size[e]
-            if live > peak:
-                peak, peak_index = live, i
-        else:
-            live -= size[~e]
+    # live bytes after each event; the peak is the first event where they are the most (0 at event 0)
+    live = list(accumulate(size[e] if e >= 0 else -size[~e] for e in trace.events))
+    peak = max(live, default=0)
+    peak_index = live.index(peak) if peak > 0 else 0
     alive: set[int] = set()
     for e in trace.events[: peak_index + 1]:
         if e >= 0:

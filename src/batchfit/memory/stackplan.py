@@ -175,7 +175,7 @@ def _plan(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
 
     nn.Module.__init__ = counting_init  # type: ignore[method-assign]
     try:
-        with torch.device("meta"), default_dtype(param_dtype), fake_construction(), _values_not_written(), \
+        with torch.device("meta"), default_dtype(param_dtype), fake_construction(fakes=False), _values_not_written(), \
                 warnings.catch_warnings():  # fmt: skip
             warnings.simplefilter("ignore")
             model = workload.build_model()
