@@ -169,7 +169,8 @@ def estimate_from_trace(
         context = device.context_bytes
         stats = None
         limit = allocator_capacity if allocator_capacity is not None else device.usable_bytes
-        if limit is not None:
+        # Live blocks above the limit run out of memory whatever the cache does: no bounded replay needed.
+        if limit is not None and reading.peak_bytes <= limit:
             bounded = replay(trace.allocations(), capacity_bytes=limit, expandable_segments=expandable_segments)
             if bounded.oom_at_event is None:
                 stats = bounded
