@@ -1,62 +1,67 @@
-"""The objects alive before a trace are frozen while it runs, and only then (``memory/heap.py``)."""
+"""Full garbage collections wait while a trace runs, young ones do not (``memory/heap.py``)."""
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import pytest
 
-from batchfit.memory.heap import older_objects_frozen
+from batchfit.memory.heap import full_collections_deferred
 
 
 @pytest.fixture
-def thawed():
-    """The process as a user's is: nothing frozen (the suite freezes after each module: conftest.py)."""
-    frozen = gc.get_freeze_count()
-    gc.unfreeze()
-    yield
-    if frozen:
-        gc.freeze()
+def collections() -> Iterator[list[int]]:
+    """The generations collected while the test runs, with thresholds that make full collections frequent."""
+    seen: list[int] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    saved = gc.get_threshold()
+    gc.set_threshold(50, 2, 2)
+    gc.callbacks.append(note)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*saved)
 
 
-def test_older_objects_are_frozen_during_the_call_and_thawed_after(thawed) -> None:
-    seen = []
-
-    @older_objects_frozen
-    def traced(depth: int) -> int:
-        seen.append(gc.get_freeze_count())
-        return traced(depth - 1) if depth else 7  # nested: the outer freeze stands, nothing refrozen
-
-    assert gc.get_freeze_count() == 0
-    assert traced(2) == 7
-    assert seen[0] > 1000 and seen == [seen[0]] * 3
-    assert gc.get_freeze_count() == 0
+def _churn() -> None:
+    for _ in range(20_000):
+        a: list = []
+        a.append(a)  # a cycle: only the collector frees it
 
 
-def test_thawed_after_a_call_that_raises(thawed) -> None:
-    @older_objects_frozen
-    def failing() -> None:
-        assert gc.get_freeze_count() > 0
+def test_no_full_collection_while_the_call_runs_and_young_ones_as_ever(collections) -> None:
+    gc.collect()
+    _churn()
+    assert 2 in collections  # the same work outside the call does collect the oldest generation
+    collections.clear()
+    full_collections_deferred(_churn)()
+    assert collections and 2 not in collections  # young generations were collected, the oldest was not
+    assert gc.get_threshold() == (50, 2, 2)
+
+
+def test_thresholds_put_back_after_a_call_that_raises_and_after_a_nested_one(collections) -> None:
+    @full_collections_deferred
+    def failing(depth: int) -> None:
+        assert gc.get_threshold()[2] > 2
+        if depth:
+            failing(depth - 1)
         raise ValueError("bad input")
 
     with pytest.raises(ValueError, match="bad input"):
-        failing()
-    assert gc.get_freeze_count() == 0
+        failing(2)
+    assert gc.get_threshold() == (50, 2, 2)
 
 
-def test_a_process_that_froze_objects_itself_is_left_as_it_is(thawed) -> None:
-    gc.freeze()
-    own = gc.get_freeze_count()
-    try:
-        assert older_objects_frozen(gc.get_freeze_count)() == own
-        assert gc.get_freeze_count() == own  # not thawed: they are the process's, not ours
-    finally:
-        gc.unfreeze()
-
-
-def test_a_disabled_collector_is_left_alone(thawed) -> None:
+def test_a_disabled_collector_is_left_alone(collections) -> None:
     gc.disable()
     try:
-        assert older_objects_frozen(gc.get_freeze_count)() == 0
+        assert full_collections_deferred(gc.get_threshold)() == (50, 2, 2)
+        assert not gc.isenabled()
     finally:
         gc.enable()

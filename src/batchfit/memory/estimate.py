@@ -22,7 +22,7 @@ from typing import Any
 from ..gpu.catalog import Device
 from .allocator import replay, round_size
 from .categories import ORDER, Category
-from .heap import older_objects_frozen
+from .heap import full_collections_deferred
 from .trace import MemoryTrace
 
 
@@ -136,7 +136,7 @@ def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
     return PeakReading(peak, peak_index, by_category, modules)
 
 
-@older_objects_frozen
+@full_collections_deferred
 def estimate_from_trace(
     trace: MemoryTrace,
     *,
@@ -295,7 +295,7 @@ def estimate(
     return finish_estimate(trace, workload, batch_size, dev, policy, classes, expandable_segments)
 
 
-@older_objects_frozen
+@full_collections_deferred
 def trace_for_device(
     workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
     announce: Callable[[], None] | None = None,
