@@ -25,6 +25,7 @@ Limitations:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,7 +54,6 @@ def _layout_key(buffer: torch.Tensor) -> str:
 # rebuilt as torchao's subclasses. A CPU trace replays each op signature for real to measure its
 # scratch (``memory/probe.py``), so the CPU estimate holds what inductor's C++ kernel holds while it
 # runs, whatever inductor makes of it.
-@torch.library.custom_op("batchfit::lowbit_adam_update", mutates_args=("p", "step", "states"))
 def _lowbit_adam_update(
     p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, lr: torch.Tensor, states: list[torch.Tensor],
     layouts: str, beta1: float, beta2: float, weight_decay: float, eps: float, is_adamw: bool, stochastic: bool,
@@ -102,10 +102,18 @@ def _torchao_update(
         )  # fmt: skip
 
 
-@_lowbit_adam_update.register_fake
-def _(p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, lr: torch.Tensor, states: list[torch.Tensor],
-      *args: Any) -> None:  # fmt: skip
+def _fake_update(p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, lr: torch.Tensor,
+                 states: list[torch.Tensor], *args: Any) -> None:  # fmt: skip
     return None
+
+
+@functools.cache
+def _define_update() -> None:
+    """Define ``batchfit::lowbit_adam_update``, once, when the first stand-in is made: registering its fake
+    kernel reads the caller's source (a hundredth of a second), which a process that never traces a
+    torchao optimizer need not pay for importing this module."""
+    op = torch.library.custom_op("batchfit::lowbit_adam_update", mutates_args=("p", "step", "states"))
+    op(_lowbit_adam_update).register_fake(_fake_update)
 
 
 def is_torchao_lowbit(optimizer: Any) -> bool:
@@ -123,6 +131,7 @@ class LowBitAdamStandIn(torch.optim.Optimizer):
     """
 
     def __init__(self, original: torch.optim.Optimizer) -> None:
+        _define_update()
         super().__init__([dict(group) for group in original.param_groups], dict(original.defaults))
         self.original = original
         """The torchao optimizer: its ``_new_buffer`` decides each state's layout."""

@@ -149,27 +149,18 @@ def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimiz
     """The workload's optimizer on the fake parameters, as a traced step runs it (``memory/lowbit.py``)."""
     from ..errors import BatchfitError, ConfigError
     from ..sources.optim import quiet_third_party
+    from .lowbit import traceable
 
     params = trainable_parameters(model)
     if not params:
         raise ConfigError("the model has no trainable parameter (every requires_grad is False); nothing to train")
     try:
         with quiet_third_party():
-            return _traceable(workload.optimizer(params))
+            return traceable(workload.optimizer(params))
     except BatchfitError:
         raise
     except Exception as e:
         raise ConfigError(f"the workload's optimizer factory raised {type(e).__name__}: {e}") from e
-
-
-def _traceable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """``lowbit.traceable``, its module imported for torchao's optimizers only (it defines an op, and
-    torch reads the caller's source to register its fake kernel: a hundredth of a second)."""
-    if not (type(optimizer).__module__ or "").startswith("torchao."):
-        return optimizer
-    from .lowbit import traceable
-
-    return traceable(optimizer)
 
 
 def _trace_steps(
