@@ -143,17 +143,17 @@ def _tensor_packages() -> set[str]:
 
 def _module_caches(name: str, module: Any) -> tuple[list[Any], bool]:
     """A module's caches and whether it defines layers, read once (a namespace is complete once
-    imported; ``__main__``, still being written, is read each time)."""
+    imported; ``__main__``, still being written, is read each time); only modules of
+    ``_tensor_packages`` and ``__main__`` are asked for."""
     found = _MODULE_CACHES.get(name)
     if found is None:
-        found = ([], False) if _left_alone(name) else _read_module(module)
+        found = _read_module(module)
         if name != "__main__":
             _MODULE_CACHES[name] = found
     return found
 
 
-def _left_alone(name: str) -> bool:
-    top = name.split(".")[0]
+def _left_alone(top: str) -> bool:
     return top in ("torch", "batchfit") or top in sys.stdlib_module_names
 
 

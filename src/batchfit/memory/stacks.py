@@ -196,8 +196,9 @@ def find_stacks(model: nn.Module) -> tuple[list[Stack], list[str]]:
     owners: dict[int, int] = {}
     read: dict[int, Any] = {}
     for _, module in model.named_modules(remove_duplicate=False):  # a module held twice counts twice
-        own = read.setdefault(id(module), _read(module))
-        for _, t in own[0]:
+        if id(module) not in read:
+            read[id(module)] = _read(module)
+        for _, t in read[id(module)][0]:
             owners[id(t)] = owners.get(id(t), 0) + 1
     total = _elements(model)
     for path, container in model.named_modules():
