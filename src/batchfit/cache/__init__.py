@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .keys import Uncacheable, _describe, _digest, _library_versions, describe_model, trace_key, workload_digest
+from .keys import Uncacheable, _describe, _digest, _settings, describe_model, installed, trace_key, workload_digest
 
 __all__ = [
     "CACHE",
@@ -55,7 +55,10 @@ class TraceCache:
 
     def _path(self, key: str) -> Path | None:
         root = cache_dir()
-        return None if root is None else root / "traces" / key[:2] / f"{key}.pickle"
+        if root is None:
+            return None
+        name = ("fact-" if key.startswith("fact-") else "") + _digest((installed(), key))
+        return root / "traces" / name[:2] / f"{name}.pickle"
 
     def get(self, key: str, notes: list[str], *, count: bool = True) -> Any:
         """The trace stored under ``key``, or None; an unreadable file adds a note and is removed.
@@ -116,7 +119,7 @@ class TraceCache:
         ``extra``'s settings), computed once and kept beside the traces, so that a repeated plan builds
         no model and replays no allocator."""
         try:
-            key = _digest((_library_versions(), kind, workload_digest(workload, param_dtype), _describe(extra)))
+            key = _digest((_settings(), kind, workload_digest(workload, param_dtype), _describe(extra)))
         except Uncacheable:
             return compute()
         key = f"fact-{key}"

@@ -38,8 +38,9 @@ from typing import Any
 # and its tensor-parallel plan, the device's kernel model (cuBLAS workspaces, CPU thread count and
 # machine for CPU kernels), whether deep models are traced cut and written at full depth
 # (``memory/depth.py``), and the versions of batchfit, torch and transformers. All of it goes into the
-# key; anything that cannot be described (an object with no stable description) makes the workload
-# uncacheable rather than risk a stale answer.
+# key (the versions, fixed for a process, into the name of its file on disk: ``installed``); anything
+# that cannot be described (an object with no stable description) makes the workload uncacheable
+# rather than risk a stale answer.
 
 _FORMAT = 4
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
@@ -313,15 +314,23 @@ def _own_source() -> str:
     return h.hexdigest()
 
 
-def _library_versions() -> tuple[str, ...]:
-    """The versions of what traces are made with, and the settings of how (depth synthesis on or off)."""
+def _settings() -> tuple[str, ...]:
+    """How traces are made in this process (the key's part that can change while it runs: depth synthesis
+    on or off), and the trace format."""
+    from ..memory.stacks import synthesis_enabled
+
+    return (f"format {_FORMAT}", f"depth synthesis {'on' if synthesis_enabled() else 'off'}")
+
+
+def installed() -> tuple[str, ...]:
+    """The versions of what traces are made with (batchfit's own source among them): fixed for a process,
+    so only the names of the files on disk need them (``TraceCache``), and a process that keeps its traces
+    in memory does not read them."""
     import torch
 
     from .. import __version__
-    from ..memory.stacks import synthesis_enabled
 
-    versions = [__version__, _own_source(), torch.__version__, f"format {_FORMAT}", platform.python_version(),
-                f"depth synthesis {'on' if synthesis_enabled() else 'off'}"]  # fmt: skip
+    versions = [__version__, _own_source(), torch.__version__, platform.python_version()]
     versions += [f"{name} {_installed_version(name)}" for name in ("transformers", "peft", "bitsandbytes", "torchao")]
     return tuple(versions)
 
@@ -419,7 +428,7 @@ def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes:
                   _describe(device.conv_workspace), _describe(device.conv_workspace_benchmark),
                   device.cudnn_benchmark, _describe(CudnnFlags.current()))  # fmt: skip
     parts = (
-        _library_versions(),
+        _settings(),
         workload_digest(workload, policy.param_dtype),
         batch_size,
         policy.precision.value,

@@ -127,12 +127,19 @@ def _check() -> bool:
     if names != _TENSOR_FIELDS:
         return False
     reference = FakeTensorMode()  # torch's own method, for both the sample and the memo's entries
-    with _disable_current_modes(), reference:  # first called inside a traced op: its modes set aside
-        x = torch.empty(2, 3, 4, 5)
+    with _disable_current_modes():  # first called inside a traced op: its modes set aside
+        # Fakes of meta tensors: the layouts a trace's fakes have, without running fake kernels for them.
+        def fake(t: torch.Tensor) -> Any:
+            return reference.fake_tensor_converter.from_meta_and_device(reference, t, torch.device("cpu"))
+
+        x = torch.empty(2, 3, 4, 5, device="meta")
+        leaf = torch.empty(3, device="meta", requires_grad=True)
         samples: list[Any] = [
-            (x, 2, 1.5, True, None, "mean", torch.float16, [3, 4], (x.transpose(1, 2), x[1:]), torch.Size([6])),
-            {"dim": [0, -1], "keepdim": False, "dtype": torch.bfloat16, "out": x.to(memory_format=torch.channels_last)},
-            (x.new_empty((0,), dtype=torch.int64), torch.empty(3, requires_grad=True).view(3, 1), torch.device("cpu")),
+            (fake(x), 2, 1.5, True, None, "mean", torch.float16, [3, 4], (fake(x.transpose(1, 2)), fake(x[1:])),
+             torch.Size([6])),  # fmt: skip
+            {"dim": [0, -1], "keepdim": False, "dtype": torch.bfloat16,
+             "out": fake(x.to(memory_format=torch.channels_last))},  # fmt: skip
+            (fake(x.new_empty((0,), dtype=torch.int64)), fake(leaf.view(3, 1)), torch.device("cpu")),
             (),
         ]
     for args in samples:

@@ -27,12 +27,24 @@ a branch on a random draw (LayerDrop) follows that one draw.
 Limitations:
     A branch taken on an unknown value may not be the branch the real step takes; the estimate lists
     every such read (``Estimate.notes``) so the user can judge it.
+
+NOTE [ Values computed when read ]
+Most shadows are never read: a rotary table's ``cos`` and ``sin`` (half a million elements each, every
+forward) feed only products. So a pure op on known values is not run when it is dispatched: its
+outputs' shadows are ``_Deferred``, holding the op and the shadows and layouts of its inputs, and the
+op runs on them the first time one of its outputs' values is read (``real_of``), with the default dtype
+it was dispatched under. Its value is the one it would have had then, because a shadow is only ever
+replaced, never written, except by an in-place op run on the shadows; before one runs, the deferred ops
+that read a shadow it writes into are run (``_run_readers``). Ops that draw random numbers are run
+when dispatched, so the draws keep their order; so is everything under CPU autocast. A view of a
+shadowed storage needs no op at all: it is a window on the same shadow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +99,10 @@ def real_of(t: Any) -> torch.Tensor | None:
         return None
     if not isinstance(t, FakeTensor):
         return t
-    storage = getattr(t.untyped_storage(), _REAL, None)
+    st = t.untyped_storage()
+    storage = getattr(st, _REAL, None)
+    if type(storage) is _Deferred:
+        storage = storage.resolve()
     if storage is None or storage.device.type == "meta":  # a shadow made under torch.device("meta") holds no value
         return None
     with _disable_current_modes():
@@ -138,16 +153,126 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return out
 
 
-_KINDS: dict[Any, tuple[bool, bool]] = {}
+class _Run:
+    """An op on known values, run the first time one of its outputs' values is read (see
+    NOTE [ Values computed when read ])."""
+
+    __slots__ = ("func", "flat", "spec", "state", "outputs", "__weakref__")
+
+    def __init__(self, func: Any, flat: list[Any], spec: Any, state: tuple[Any, ...]) -> None:
+        self.func = func
+        self.flat = flat  # the op's arguments, each tensor as the (shadow, layout) of its value
+        self.spec = spec
+        self.state = state
+        self.outputs: list[torch.Tensor] | None = None
+
+    def run(self) -> list[torch.Tensor] | None:
+        if self.flat is None:
+            return self.outputs
+        flat, self.flat = self.flat, None
+        real_flat = []
+        for a in flat:
+            if type(a) is _Input:
+                a = a.value()
+                if a is None:
+                    return None
+            real_flat.append(a)
+        args, kwargs = tree_unflatten(real_flat, self.spec)
+        dtype = self.state[0]
+        try:
+            with _disable_current_modes(), torch.no_grad(), _default_dtype(dtype):
+                out = self.func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a value we cannot compute is just unknown
+            return None
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.outputs = outputs if len(outputs) == self.state[1] else None
+        return self.outputs
 
 
-def _kind(func: Any) -> tuple[bool, bool]:
-    """``(mutates an argument, returns an alias of an argument)`` of an op, from its schema (cached)."""
+class _Input:
+    """A tensor argument of a deferred op: its storage's shadow (a real storage or a ``_Deferred``) and
+    its layout, captured when the op ran (a later in-place op forces pending runs first)."""
+
+    __slots__ = ("shadow", "offset", "shape", "stride", "dtype")
+
+    def __init__(self, shadow: Any, t: torch.Tensor) -> None:
+        self.shadow = shadow
+        self.offset = t.storage_offset()
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.dtype = t.dtype
+
+    def value(self) -> torch.Tensor | None:
+        storage = self.shadow
+        if type(storage) is _Deferred:
+            storage = storage.resolve()
+        if storage is None or storage.device.type == "meta":
+            return None
+        with _disable_current_modes():
+            return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.shape, self.stride)
+
+
+class _Deferred:
+    """The shadow of a fake storage whose value is the ``index``-th output of a ``_Run`` not run yet."""
+
+    __slots__ = ("run", "index", "offset", "shape", "stride", "dtype", "nbytes", "storage")
+
+    def __init__(self, run: _Run, index: int, fake: torch.Tensor) -> None:
+        self.run = run
+        self.index = index
+        self.offset = fake.storage_offset()
+        self.shape = fake.shape
+        self.stride = fake.stride()
+        self.dtype = fake.dtype
+        self.nbytes = fake.untyped_storage().nbytes()
+        self.storage: Any = self  # the real storage once resolved (None: the value could not be computed)
+
+    def resolve(self) -> Any:
+        """The real storage of the value (None when it cannot be computed)."""
+        if self.storage is self:
+            outs = self.run.run()
+            real = outs[self.index] if outs is not None else None
+            self.storage = None if real is None or real.shape != self.shape else self._laid_out(real)
+        return self.storage
+
+    def _laid_out(self, real: torch.Tensor) -> Any:
+        """``real``'s storage if it has the fake's layout, else a copy laid out as the fake (``adopt``)."""
+        real_st = real.untyped_storage()
+        if (real.stride() == self.stride and real.storage_offset() == self.offset
+                and real_st.nbytes() == self.nbytes and real.dtype == self.dtype):  # fmt: skip
+            return real_st
+        with _disable_current_modes():
+            base = torch.empty(0, dtype=self.dtype).set_(torch.UntypedStorage(self.nbytes), self.offset, self.shape,
+                                                         self.stride)  # fmt: skip
+            base.copy_(real)
+        return base.untyped_storage()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Any:
+    if torch.get_default_dtype() is dtype:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+_KINDS: dict[Any, tuple[bool, bool, bool]] = {}
+
+
+def _kind(func: Any) -> tuple[bool, bool, bool]:
+    """``(mutates an argument, returns an alias of an argument, draws random numbers)`` of an op, from
+    its schema and tags (cached)."""
     kind = _KINDS.get(func)
     if kind is None:
         schema = func._schema
         aliasing = any(r.alias_info is not None for r in schema.returns)
-        kind = _KINDS[func] = (schema.is_mutable, aliasing)
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        kind = _KINDS[func] = (schema.is_mutable, aliasing, seeded)
     return kind
 
 
@@ -170,6 +295,8 @@ class ValueMode(TorchDispatchMode):
         self.below: Callable[[Any, tuple, dict], Any] = _call
         """Runs an op on the layer below (the fake kernels)."""
         self._rng: contextlib.ExitStack | None = None
+        self._readers: dict[int, weakref.WeakSet[_Run]] = {}
+        """Deferred ops not run yet, by the ``id`` of each shadow they read."""
 
     # -- context: the shadows' random draws come from a forked generator --------------------------
     def __enter__(self) -> ValueMode:
@@ -241,6 +368,8 @@ class ValueMode(TorchDispatchMode):
             else:
                 real_flat.append(a)
         rargs, rkwargs = tree_unflatten(real_flat, spec)
+        if self._readers and _kind(func)[0]:
+            self._run_readers(func, args, kwargs)
         try:
             with _disable_current_modes(), torch.no_grad():
                 return (func(*rargs, **rkwargs),)
@@ -261,6 +390,8 @@ class ValueMode(TorchDispatchMode):
             and all(t.numel() <= limit and not t.requires_grad for t in outs)
             and getattr(func, "namespace", "aten") != "profiler"
         ):
+            if self._deferred(func, args, kwargs, outs):
+                return
             result = self._real_call(func, args, kwargs)
             if result is not None:
                 real_outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
@@ -268,7 +399,7 @@ class ValueMode(TorchDispatchMode):
                     for fake, real in zip(outs, real_outs):
                         adopt(fake, real)
                     return
-        mutable, aliasing = _kind(func)
+        mutable, aliasing, _ = _kind(func)
         if mutable:
             written = _written(func, args, kwargs)
             # An in-place op that returns nothing (the optimizers' ``_foreach_add_`` on their step
@@ -281,6 +412,43 @@ class ValueMode(TorchDispatchMode):
         if aliasing:  # a view of a shadowed input that was not computed: its storage's value is unknown
             for t in outs:
                 forget(t)
+
+    def _deferred(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> bool:
+        """Whether ``outs``' values are known without running ``func`` now: a view of a shadowed storage,
+        or a pure op on known values, deferred until they are read (NOTE [ Values computed when read ])."""
+        mutable, aliasing, seeded = _kind(func)
+        if mutable:
+            return False
+        if aliasing:
+            return all(getattr(t.untyped_storage(), _REAL, None) is not None for t in outs)
+        if seeded or torch.is_autocast_enabled("cpu"):
+            return False
+        flat, spec = tree_flatten((args, kwargs))
+        for i, a in enumerate(flat):
+            if isinstance(a, torch.Tensor):
+                shadow = getattr(a.untyped_storage(), _REAL, None) if type(a) is FakeTensor else None
+                if shadow is None or (type(shadow) is _Deferred and shadow.storage is None):
+                    return False
+                flat[i] = _Input(shadow, a)
+        run = _Run(func, flat, spec, (torch.get_default_dtype(), len(outs)))
+        for a in flat:
+            if type(a) is _Input:
+                readers = self._readers.get(id(a.shadow))
+                if readers is None:
+                    readers = self._readers[id(a.shadow)] = weakref.WeakSet()
+                readers.add(run)
+        for i, t in enumerate(outs):
+            setattr(t.untyped_storage(), _REAL, _Deferred(run, i, t))
+        return True
+
+    def _run_readers(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Run the deferred ops that read a shadow ``func`` is about to write into, while it holds the
+        value they were given."""
+        for t in _written(func, args, kwargs):
+            if isinstance(t, FakeTensor):
+                readers = self._readers.pop(id(getattr(t.untyped_storage(), _REAL, None)), None)
+                for run in list(readers or ()):
+                    run.run()
 
     def _read(self, func: Any, t: torch.Tensor) -> Any:
         real = real_of(t)
