@@ -128,9 +128,12 @@ def _tensor_packages() -> set[str]:
     """Top-level packages with a module that binds ``torch`` or defines an ``nn.Module`` subclass."""
     found = set()
     for name, module in list(sys.modules.items()):
+        top = name.partition(".")[0]
+        if top in found or _left_alone(top):  # a package is read whole or not at all: one module decides
+            continue
         try:
             if "torch" in vars(module):
-                found.add(name.partition(".")[0])
+                found.add(top)
         except TypeError:  # a module object without a namespace
             continue
     classes = [torch.nn.Module]
