@@ -133,12 +133,15 @@ def adopt(fake: torch.Tensor, real: torch.Tensor) -> None:
     ):
         setattr(st, _REAL, real_st)
         return
+    setattr(st, _REAL, _copied(real, fake.dtype, st.nbytes(), fake.storage_offset(), fake.shape, fake.stride()))
+
+
+def _copied(real: torch.Tensor, dtype: torch.dtype, nbytes: int, offset: int, shape: Any, stride: Any) -> Any:
+    """A new real storage of ``nbytes`` holding ``real`` at the given layout (a fake's)."""
     with _disable_current_modes():
-        base = torch.empty(0, dtype=fake.dtype).set_(
-            torch.UntypedStorage(st.nbytes()), fake.storage_offset(), fake.shape, fake.stride()
-        )
+        base = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage(nbytes), offset, shape, stride)
         base.copy_(real)
-    setattr(st, _REAL, base.untyped_storage())
+    return base.untyped_storage()
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -191,7 +194,8 @@ class _Run:
 
 class _Input:
     """A tensor argument of a deferred op: its storage's shadow (a real storage or a ``_Deferred``) and
-    its layout, captured when the op ran (a later in-place op forces pending runs first)."""
+    its layout, captured when the op was dispatched (an in-place op runs the deferred ops that read a
+    shadow before it writes into it)."""
 
     __slots__ = ("shadow", "offset", "shape", "stride", "dtype")
 
@@ -241,11 +245,7 @@ class _Deferred:
         if (real.stride() == self.stride and real.storage_offset() == self.offset
                 and real_st.nbytes() == self.nbytes and real.dtype == self.dtype):  # fmt: skip
             return real_st
-        with _disable_current_modes():
-            base = torch.empty(0, dtype=self.dtype).set_(torch.UntypedStorage(self.nbytes), self.offset, self.shape,
-                                                         self.stride)  # fmt: skip
-            base.copy_(real)
-        return base.untyped_storage()
+        return _copied(real, self.dtype, self.nbytes, self.offset, self.shape, self.stride)
 
 
 @contextlib.contextmanager
