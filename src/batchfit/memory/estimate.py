@@ -21,6 +21,7 @@ from typing import Any
 
 from ..gpu.catalog import Device
 from .allocator import replay, round_size
+from .blocks import MIN_BLOCK_SIZE
 from .categories import ORDER, Category
 from .heap import full_collections_deferred
 from .trace import MemoryTrace
@@ -114,15 +115,20 @@ def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
     ``torch.cuda.memory_allocated`` does; otherwise exact bytes, as the CPU allocator holds them.
     Paged storages (``MemoryTrace.paged``) are not the allocator's and count 0.
     """
-    size = {sid: (round_size(n) if rounded else n) for sid, n in trace.nbytes.items()}
+    if rounded:  # round_size, inline (a deep trace has tens of thousands of storages)
+        size = {sid: -(-n // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE if n >= 0 else round_size(n)
+                for sid, n in trace.nbytes.items()}  # fmt: skip
+    else:
+        size = dict(trace.nbytes)
     for sid in trace.paged:
         size[sid] = 0
     # live bytes after each event; the peak is the first event where they are the most (0 at event 0)
-    live = list(accumulate(size[e] if e >= 0 else -size[~e] for e in trace.events))
+    events = trace.events
+    live = list(accumulate([size[e] if e >= 0 else -size[~e] for e in events]))
     peak = max(live, default=0)
     peak_index = live.index(peak) if peak > 0 else 0
     alive: set[int] = set()
-    for e in trace.events[: peak_index + 1]:
+    for e in events[: peak_index + 1]:
         if e >= 0:
             alive.add(e)
         else:
