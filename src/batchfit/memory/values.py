@@ -35,9 +35,11 @@ outputs' shadows are ``_Deferred``, holding the op and the shadows and layouts o
 op runs on them the first time one of its outputs' values is read (``real_of``), with the default dtype
 it was dispatched under. Its value is the one it would have had then, because a shadow is only ever
 replaced, never written, except by an in-place op run on the shadows; before one runs, the deferred ops
-that read a shadow it writes into are run (``_run_readers``). Ops that draw random numbers are run
-when dispatched, so the draws keep their order; so is everything under CPU autocast. A view of a
-shadowed storage needs no op at all: it is a window on the same shadow.
+that read a shadow it writes into are run (``_run_readers``; this assumes a real storage shadows one fake
+storage, as it does unless a fake kernel made a new storage where the real op returns a view, which no op
+is known to do). Ops that draw random numbers are run when dispatched, so the draws keep their order;
+so is everything under CPU autocast. A view of a shadowed storage needs no op at all: it is a window on
+the same shadow.
 """
 
 from __future__ import annotations
