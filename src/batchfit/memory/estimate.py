@@ -21,7 +21,6 @@ from typing import Any
 
 from ..gpu.catalog import Device
 from .allocator import replay, round_size
-from .blocks import MIN_BLOCK_SIZE
 from .categories import ORDER, Category
 from .heap import full_collections_deferred
 from .trace import MemoryTrace
@@ -115,11 +114,7 @@ def read_peak(trace: MemoryTrace, *, rounded: bool) -> PeakReading:
     ``torch.cuda.memory_allocated`` does; otherwise exact bytes, as the CPU allocator holds them.
     Paged storages (``MemoryTrace.paged``) are not the allocator's and count 0.
     """
-    if rounded:  # round_size, inline (a deep trace has tens of thousands of storages)
-        size = {sid: -(-n // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE if n >= 0 else round_size(n)
-                for sid, n in trace.nbytes.items()}  # fmt: skip
-    else:
-        size = dict(trace.nbytes)
+    size = {sid: round_size(n) for sid, n in trace.nbytes.items()} if rounded else dict(trace.nbytes)
     for sid in trace.paged:
         size[sid] = 0
     # live bytes after each event; the peak is the first event where they are the most (0 at event 0)

@@ -63,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fastkey import prep_args_for_hash
+from .steps import default_dtype
 
 _REAL = "_batchfit_real"
 """Attribute of a fake storage holding the real storage of its shadow."""
@@ -101,14 +102,17 @@ def real_of(t: Any) -> torch.Tensor | None:
         return None
     if not isinstance(t, FakeTensor):
         return t
-    st = t.untyped_storage()
-    storage = getattr(st, _REAL, None)
-    if type(storage) is _Deferred:
-        storage = storage.resolve()
-    if storage is None or storage.device.type == "meta":  # a shadow made under torch.device("meta") holds no value
+    return _viewed(getattr(t.untyped_storage(), _REAL, None), t.dtype, t.storage_offset(), t.shape, t.stride())
+
+
+def _viewed(shadow: Any, dtype: torch.dtype, offset: int, shape: Any, stride: Any) -> torch.Tensor | None:
+    """The real tensor of a layout on ``shadow`` (a real storage, a ``_Deferred`` run now, or None)."""
+    if type(shadow) is _Deferred:
+        shadow = shadow.resolve()
+    if shadow is None or shadow.device.type == "meta":  # a shadow made under torch.device("meta") holds no value
         return None
     with _disable_current_modes():
-        return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+        return torch.empty(0, dtype=dtype).set_(shadow, offset, shape, stride)
 
 
 def forget(t: Any) -> None:
@@ -127,19 +131,16 @@ def adopt(fake: torch.Tensor, real: torch.Tensor) -> None:
     real_st = real.untyped_storage()
     if getattr(st, _REAL, None) is real_st:
         return
-    if (
-        real.stride() == fake.stride()
-        and real.storage_offset() == fake.storage_offset()
-        and real_st.nbytes() == st.nbytes()
-        and real.dtype == fake.dtype
-    ):
-        setattr(st, _REAL, real_st)
-        return
-    setattr(st, _REAL, _copied(real, fake.dtype, st.nbytes(), fake.storage_offset(), fake.shape, fake.stride()))
+    setattr(st, _REAL, _laid_out(real, fake.dtype, st.nbytes(), fake.storage_offset(), fake.shape, fake.stride()))
 
 
-def _copied(real: torch.Tensor, dtype: torch.dtype, nbytes: int, offset: int, shape: Any, stride: Any) -> Any:
-    """A new real storage of ``nbytes`` holding ``real`` at the given layout (a fake's)."""
+def _laid_out(real: torch.Tensor, dtype: torch.dtype, nbytes: int, offset: int, shape: Any, stride: Any) -> Any:
+    """``real``'s storage if it has the given layout (a fake's), else a new one of ``nbytes`` holding
+    ``real`` laid out so."""
+    real_st = real.untyped_storage()
+    same = real.stride() == stride and real.storage_offset() == offset and real.dtype == dtype
+    if same and real_st.nbytes() == nbytes:
+        return real_st
     with _disable_current_modes():
         base = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage(nbytes), offset, shape, stride)
         base.copy_(real)
@@ -162,13 +163,14 @@ class _Run:
     """An op on known values, run the first time one of its outputs' values is read (see
     NOTE [ Values computed when read ])."""
 
-    __slots__ = ("func", "flat", "spec", "state", "outputs", "__weakref__")
+    __slots__ = ("func", "flat", "spec", "dtype", "n_outputs", "outputs", "__weakref__")
 
-    def __init__(self, func: Any, flat: list[Any], spec: Any, state: tuple[Any, ...]) -> None:
+    def __init__(self, func: Any, flat: list[Any], spec: Any, n_outputs: int) -> None:
         self.func = func
         self.flat = flat  # the op's arguments, each tensor as the (shadow, layout) of its value
         self.spec = spec
-        self.state = state
+        self.dtype = torch.get_default_dtype()  # the default dtype it was dispatched under
+        self.n_outputs = n_outputs
         self.outputs: list[torch.Tensor] | None = None
 
     def run(self) -> list[torch.Tensor] | None:
@@ -183,14 +185,13 @@ class _Run:
                     return None
             real_flat.append(a)
         args, kwargs = tree_unflatten(real_flat, self.spec)
-        dtype = self.state[0]
         try:
-            with _disable_current_modes(), torch.no_grad(), _default_dtype(dtype):
+            with _disable_current_modes(), torch.no_grad(), default_dtype(self.dtype):
                 out = self.func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - a value we cannot compute is just unknown
             return None
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self.outputs = outputs if len(outputs) == self.state[1] else None
+        self.outputs = outputs if len(outputs) == self.n_outputs else None
         return self.outputs
 
 
@@ -209,13 +210,7 @@ class _Input:
         self.dtype = t.dtype
 
     def value(self) -> torch.Tensor | None:
-        storage = self.shadow
-        if type(storage) is _Deferred:
-            storage = storage.resolve()
-        if storage is None or storage.device.type == "meta":
-            return None
-        with _disable_current_modes():
-            return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.shape, self.stride)
+        return _viewed(self.shadow, self.dtype, self.offset, self.shape, self.stride)
 
 
 class _Deferred:
@@ -238,29 +233,11 @@ class _Deferred:
         if self.storage is self:
             outs = self.run.run()
             real = outs[self.index] if outs is not None else None
-            self.storage = None if real is None or real.shape != self.shape else self._laid_out(real)
+            if real is None or real.shape != self.shape:
+                self.storage = None
+            else:
+                self.storage = _laid_out(real, self.dtype, self.nbytes, self.offset, self.shape, self.stride)
         return self.storage
-
-    def _laid_out(self, real: torch.Tensor) -> Any:
-        """``real``'s storage if it has the fake's layout, else a copy laid out as the fake (``adopt``)."""
-        real_st = real.untyped_storage()
-        if (real.stride() == self.stride and real.storage_offset() == self.offset
-                and real_st.nbytes() == self.nbytes and real.dtype == self.dtype):  # fmt: skip
-            return real_st
-        return _copied(real, self.dtype, self.nbytes, self.offset, self.shape, self.stride)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Any:
-    if torch.get_default_dtype() is dtype:
-        yield
-        return
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 _KINDS: dict[Any, tuple[bool, bool, bool]] = {}
@@ -432,7 +409,7 @@ class ValueMode(TorchDispatchMode):
                 if shadow is None or (type(shadow) is _Deferred and shadow.storage is None):
                     return False
                 flat[i] = _Input(shadow, a)
-        run = _Run(func, flat, spec, (torch.get_default_dtype(), len(outs)))
+        run = _Run(func, flat, spec, len(outs))
         for a in flat:
             if type(a) is _Input:
                 readers = self._readers.get(id(a.shadow))
