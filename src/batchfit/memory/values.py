@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fastkey import prep_args_for_hash
-from .steps import default_dtype
 
 _REAL = "_batchfit_real"
 """Attribute of a fake storage holding the real storage of its shadow."""
@@ -186,7 +185,7 @@ class _Run:
             real_flat.append(a)
         args, kwargs = tree_unflatten(real_flat, self.spec)
         try:
-            with _disable_current_modes(), torch.no_grad(), default_dtype(self.dtype):
+            with _disable_current_modes(), torch.no_grad(), _default_dtype(self.dtype):
                 out = self.func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - a value we cannot compute is just unknown
             return None
@@ -238,6 +237,17 @@ class _Deferred:
             else:
                 self.storage = _laid_out(real, self.dtype, self.nbytes, self.offset, self.shape, self.stride)
         return self.storage
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``steps.default_dtype`` for a deferred op (steps imports construct, which imports this module)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 _KINDS: dict[Any, tuple[bool, bool, bool]] = {}
