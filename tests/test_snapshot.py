@@ -70,7 +70,7 @@ def check_consistent(snap: dict) -> tuple[int, int]:
     segments: dict[int, int] = {}
     blocks: dict[int, int] = {}  # addr -> requested size
     for e in snap["device_traces"][0]:
-        action, addr, size = e["action"], e["addr"], e["size"]
+        action, addr, size = e["action"], e.get("addr"), e["size"]
         if action == "segment_alloc":
             assert all(addr >= s + n or addr + size <= s for s, n in segments.items()), "segments overlap"
             segments[addr] = size

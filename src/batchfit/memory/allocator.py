@@ -298,8 +298,21 @@ class CachingAllocator(ExpandableSegments):
         if self.capacity_bytes is not None and self.reserved_bytes + alloc_size > self.capacity_bytes:
             return None
         self._reserve(alloc_size)
-        self._next_addr += alloc_size
-        return _Block(self._next_addr - alloc_size, alloc_size, pool, None)
+        ptr = self._new_segment_address(alloc_size)
+        self._segment_event("segment_alloc", ptr, alloc_size)
+        return _Block(ptr, alloc_size, pool, None)
+
+    def _new_segment_address(self, nbytes: int) -> int:
+        """Where a new segment (or an expandable segment's address space) of ``nbytes`` starts: the next
+        unused address. A replay of a real GPU's events takes the GPU's own addresses instead
+        (``memory/stream_replay.py``)."""
+        ptr = self._next_addr
+        self._next_addr += nbytes
+        return ptr
+
+    def _segment_event(self, action: str, addr: int, nbytes: int) -> None:
+        """Called at each ``segment_alloc`` / ``segment_free`` / ``segment_map`` / ``segment_unmap``, the
+        actions a memory snapshot's trace names; nothing here (a replay of a real stream logs them)."""
 
     def _release_cached_blocks(self) -> None:
         """``release_cached_blocks``: cudaFree unsplit free segments, unmap whole free expandable pages."""
@@ -311,6 +324,7 @@ class CachingAllocator(ExpandableSegments):
                 elif block.prev is None and block.next is None:
                     pool.remove(block)
                     self.reserved_bytes -= block.size
+                    self._segment_event("segment_free", block.ptr, block.size)
             for block in to_unmap:
                 self._unmap_block(block)
                 if not block.mapped and block.prev is None and block.next is None:

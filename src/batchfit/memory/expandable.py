@@ -46,9 +46,12 @@ class ExpandableSegments:
 
     capacity_bytes: int | None
     reserved_bytes: int
-    _next_addr: int
     _reserve: Callable[[int], None]
     """``CachingAllocator._reserve``: counts reserved bytes and their peak (the host class defines it)."""
+    _new_segment_address: Callable[[int], int]
+    """``CachingAllocator._new_segment_address``: where new address space starts."""
+    _segment_event: Callable[[str, int, int], None]
+    """``CachingAllocator._segment_event``: told of each page mapping and unmapping."""
 
     def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
         """``try_allocate_expandable_block``: map pages at the lowest address with room for ``size``."""
@@ -80,7 +83,7 @@ class ExpandableSegments:
         cap = self.capacity_bytes
         space = UNLIMITED_ADDRESS_SPACE if cap is None else cap + cap // EXPANDABLE_SPACE_EXTRA_DIV
         space = -(-space // page) * page
-        base, self._next_addr = self._next_addr, self._next_addr + space
+        base = self._new_segment_address(space)
         block = _Block(base, space, pool, (base, page), mapped=False)
         pool.unmapped[base] = block
         return block
@@ -92,7 +95,7 @@ class ExpandableSegments:
         nbytes = (-(-(block.ptr + size - base) // page) - first) * page
         if self.capacity_bytes is not None and self.reserved_bytes + nbytes > self.capacity_bytes:
             return False
-        pool = block.pool
+        pool, start = block.pool, block.ptr  # an unmapped block starts on a page boundary
         del pool.unmapped[block.ptr]
         block.mapped = True
         if nbytes < block.size:
@@ -104,6 +107,7 @@ class ExpandableSegments:
         _try_merge(block, block.next)
         pool.add(block)
         self._reserve(nbytes)
+        self._segment_event("segment_map", start, nbytes)
         return True
 
     def _unmap_block(self, block: _Block) -> None:
@@ -130,3 +134,4 @@ class ExpandableSegments:
         _try_merge(block, block.next)
         pool.unmapped[block.ptr] = block
         self.reserved_bytes -= nbytes
+        self._segment_event("segment_unmap", ptr, nbytes)

@@ -44,13 +44,12 @@ Limitations:
 from __future__ import annotations
 
 import pickle
-from bisect import bisect_right, insort
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .allocator import SMALL_SIZE, CachingAllocator, round_size
+from .allocator import CachingAllocator, round_size
 from .categories import Category
 from .trace import MemoryTrace
 
@@ -66,10 +65,6 @@ PICKLE_PROTOCOL = 4
 _SEGMENT_CATEGORY = "unknown"
 
 
-def _block_address(alloc: CachingAllocator, handle: int) -> int:
-    return alloc.block_address(handle)
-
-
 def _frames(trace: MemoryTrace, sid: int, phase: str, step: int) -> list[dict[str, Any]]:
     category = trace.role.get(sid, Category.TEMPORARIES).value
     return [
@@ -78,19 +73,19 @@ def _frames(trace: MemoryTrace, sid: int, phase: str, step: int) -> list[dict[st
     ]
 
 
-class _Recorder:
-    """Replays a trace through the allocator model, logging events and tracking segments and blocks."""
+class _Recorder(CachingAllocator):
+    """The allocator model replaying a trace and logging what the real allocator's ``record_trace`` logs.
+
+    Segment events come from the model itself (``CachingAllocator._segment_event``): a retry's releases
+    in the order ``release_cached_blocks`` makes them, large pool first; blocks are logged around them.
+    """
 
     def __init__(self, trace: MemoryTrace, capacity_bytes: int | None) -> None:
+        super().__init__(capacity_bytes)
         self.trace = trace
-        self.capacity_bytes = capacity_bytes
-        self.alloc = CachingAllocator(capacity_bytes)
         self.events: list[dict[str, Any]] = []
-        self.segments: dict[int, tuple[int, bool]] = {}  # address -> (size, small pool)
-        self.segment_starts: list[int] = []  # sorted addresses of live segments
-        self.segment_live: dict[int, int] = {}  # address -> live blocks inside
         self.handles: dict[int, int] = {}  # sid -> allocator handle (0: empty request)
-        self.blocks: dict[int, tuple[int, int, int, list[dict[str, Any]]]] = {}  # sid -> (addr, size, req, frames)
+        self.requests: dict[int, tuple[int, list[dict[str, Any]]]] = {}  # handle -> (requested bytes, frames)
         self.time = 0
 
     def _event(self, action: str, addr: int, size: int, frames: list, **extra: Any) -> None:
@@ -99,108 +94,68 @@ class _Recorder:
             | extra
         )
 
-    def _segment_of(self, addr: int) -> int:
-        return self.segment_starts[bisect_right(self.segment_starts, addr) - 1]
+    def _segment_event(self, action: str, addr: int, nbytes: int) -> None:
+        self._event(action, addr, nbytes, [], category=_SEGMENT_CATEGORY)
 
-    def _release_free_segments(self) -> int:
-        """Log the segments an out-of-memory retry released: every one without a live block."""
-        released = 0
-        for start in [s for s in self.segment_starts if self.segment_live[s] == 0]:
-            size, _ = self.segments.pop(start)
-            self.segment_starts.remove(start)
-            del self.segment_live[start]
-            self._event("segment_free", start, size, [], category=_SEGMENT_CATEGORY)
-            released += size
-        return released
-
-    def malloc(self, sid: int, frames: list[dict[str, Any]]) -> bool:
+    def record_malloc(self, sid: int, frames: list[dict[str, Any]]) -> bool:
         """Allocate ``sid``; False when the allocator ran out of memory (an ``oom`` event is logged)."""
-        alloc, nbytes = self.alloc, self.trace.nbytes[sid]
-        reserved, retries = alloc.reserved_bytes, alloc.num_alloc_retries
+        nbytes = self.trace.nbytes[sid]
         try:
-            handle = alloc.malloc(nbytes)
+            handle = self.malloc(nbytes)
         except torch.OutOfMemoryError:
-            self._release_free_segments()
-            cap = self.capacity_bytes or 0
-            self.events.append(
-                {
-                    "action": "oom",
-                    "addr": 0,
-                    "size": nbytes,
-                    "stream": _STREAM,
-                    "time_us": self.time,
-                    "device_free": cap - alloc.reserved_bytes,
-                    "frames": frames,
-                }
-            )
+            # record_trace(OOM, device_free, params.size()): the rounded request, no address
+            free = (self.capacity_bytes or 0) - self.reserved_bytes
+            self.events.append({"action": "oom", "device_free": free, "size": round_size(nbytes), "stream": _STREAM,
+                                "time_us": self.time, "frames": frames})  # fmt: skip
             return False
         self.handles[sid] = handle
         if handle == 0:
             return True  # an empty tensor: PyTorch asks the allocator for nothing
-        released = self._release_free_segments() if alloc.num_alloc_retries > retries else 0
-        addr, size = _block_address(alloc, handle), alloc.block_size(handle)
-        grown = alloc.reserved_bytes - (reserved - released)
-        if grown > 0:  # a new segment, whose first block this is (a fresh segment is split from its start)
-            self.segments[addr] = (grown, round_size(nbytes) <= SMALL_SIZE)
-            insort(self.segment_starts, addr)
-            self.segment_live[addr] = 0
-            self._event("segment_alloc", addr, grown, [], category=_SEGMENT_CATEGORY)
-        self.segment_live[self._segment_of(addr)] += 1
-        self.blocks[sid] = (addr, size, nbytes, frames)
+        self.requests[handle] = (nbytes, frames)
         category = self.trace.role.get(sid, Category.TEMPORARIES).value
-        self._event("alloc", addr, nbytes, frames, category=category)
+        self._event("alloc", self.block_address(handle), nbytes, frames, category=category)
         return True
 
-    def free(self, sid: int) -> None:
+    def record_free(self, sid: int) -> None:
         handle = self.handles.pop(sid)
-        self.alloc.free(handle)
-        if handle == 0:
-            return
-        addr, _, nbytes, frames = self.blocks.pop(sid)
-        self.segment_live[self._segment_of(addr)] -= 1
-        self._event("free_requested", addr, nbytes, frames)
-        self._event("free_completed", addr, nbytes, frames)
+        if handle != 0:
+            nbytes, frames = self.requests.pop(handle)
+            addr = self.block_address(handle)
+            self._event("free_requested", addr, nbytes, frames)
+            self._event("free_completed", addr, nbytes, frames)
+        self.free(handle)
 
     def final_segments(self, device_index: int) -> list[dict[str, Any]]:
-        """The ``segments`` part: each live segment tiled by its live blocks and the gaps between them."""
-        by_segment: dict[int, list[tuple[int, int, int, list]]] = {s: [] for s in self.segment_starts}
-        for addr, size, nbytes, frames in self.blocks.values():
-            by_segment[self._segment_of(addr)].append((addr, size, nbytes, frames))
+        """The ``segments`` part: each segment's blocks in address order, live ones with their request."""
+        handle_of = {id(block): handle for handle, block in self._live.items()}
+        blocks = [*self._live.values(), *(entry[2] for pool in (self._small, self._large) for entry in pool.free)]
         out = []
-        for start in self.segment_starts:
-            total, small = self.segments[start]
-            blocks: list[dict[str, Any]] = []
-            cursor = start
-            for addr, size, nbytes, frames in sorted(by_segment[start], key=lambda b: b[0]):
-                if addr > cursor:
-                    blocks.append(_inactive(cursor, addr - cursor))
-                blocks.append(
-                    {
-                        "address": addr,
-                        "size": size,
-                        "requested_size": nbytes,
-                        "state": "active_allocated",
-                        "frames": frames,
-                    }
-                )
-                cursor = addr + size
-            if cursor < start + total:
-                blocks.append(_inactive(cursor, start + total - cursor))
-            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        for head in sorted((b for b in blocks if b.prev is None), key=lambda b: b.ptr):
+            listed: list[dict[str, Any]] = []
+            block: Any = head
+            while block is not None:
+                if block.allocated:
+                    nbytes, frames = self.requests[handle_of[id(block)]]
+                    listed.append({"address": block.ptr, "size": block.size, "requested_size": nbytes,
+                                   "state": "active_allocated", "frames": frames})  # fmt: skip
+                else:
+                    listed.append(_inactive(block.ptr, block.size))
+                block = block.next
+            allocated = sum(b["size"] for b in listed if b["state"] == "active_allocated")
             out.append(
                 {
                     "device": device_index,
-                    "address": start,
-                    "total_size": total,
+                    "address": head.ptr,
+                    "total_size": sum(b["size"] for b in listed),
                     "allocated_size": allocated,
                     "active_size": allocated,
-                    "requested_size": sum(b["requested_size"] for b in blocks),
+                    "requested_size": sum(b["requested_size"] for b in listed),
                     "stream": _STREAM,
-                    "segment_type": "small" if small else "large",
+                    "segment_type": "small" if head.pool.small else "large",
                     "segment_pool_id": (0, 0),
                     "is_expandable": False,
                     "frames": [],
-                    "blocks": blocks,
+                    "blocks": listed,
                 }
             )
         return out
@@ -232,10 +187,10 @@ def build_snapshot(trace: MemoryTrace, *, capacity_bytes: int | None = None, dev
             k += 1
         rec.time = i
         if e >= 0:
-            if not rec.malloc(e, _frames(trace, e, phase, step)):
+            if not rec.record_malloc(e, _frames(trace, e, phase, step)):
                 break
         elif ~e in rec.handles:
-            rec.free(~e)
+            rec.record_free(~e)
     traces: list[list[dict[str, Any]]] = [[] for _ in range(device_index + 1)]
     traces[device_index] = rec.events
     return {"segments": rec.final_segments(device_index), "device_traces": traces}
