@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import os
+import pickle
 import re
 import statistics
 import subprocess
@@ -47,6 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.append(str(ROOT / "benchmarks"))  # after tests/: benchmarks/zoo.py is a script, tests/zoo.py the zoo
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -55,7 +58,8 @@ TARGETS = {"median": 0.03, "p90": 0.08, "worst_under": -0.05, "fit_ratio": 0.95}
 FIELDS = ("kind", "case", "family", "precision", "batch", "gpu", "real_allocated", "real_reserved", "real_nvml",
           "est_allocated", "est_reserved", "est_total", "est_total_profile", "est_reserved_profile", "err_allocated",
           "err_reserved", "err_total", "err_total_profile", "fit_est_max", "fit_est_max_profile", "fit_real_max",
-          "fit_ratio", "context_default", "context_profile", "error", "seconds")  # fmt: skip
+          "fit_ratio", "context_default", "context_profile", "error", "seconds", "result", "est_fits", "torch",
+          "snapshot")  # fmt: skip
 
 
 # -- the cases ----------------------------------------------------------------------------------------
@@ -144,6 +148,89 @@ def _torch(model: Callable[[], nn.Module], batch: Callable[[int], Any], name: st
     return torch_workload(model, batch, name=name)
 
 
+# -- the plain-loop cases of an H100 (benchmarks/results/README.md) -------------------------------------
+def _hub_lora(config: str, targets: str, seq_len: int) -> Any:
+    """A hub config of ``benchmarks/configs`` fine-tuned with LoRA r=16, alpha=32 on ``targets``."""
+    from batchfit.sources import load
+
+    return load(str(ROOT / "benchmarks" / "configs" / config), lora=f"r=16,alpha=32,targets={targets}",
+                seq_len=seq_len)  # fmt: skip
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _adamw_1e4(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _tv(model: str, optimizer: Callable[[Any], torch.optim.Optimizer], image_size: int = 224) -> Any:
+    """A torchvision classifier (``benchmarks/vision_models.py``) on random images, cross-entropy."""
+    from vision_models import MODELS
+    from zoo import _ce
+
+    from batchfit import Workload
+
+    def images(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, 3, image_size, image_size), torch.randint(0, 1000, (b,))
+
+    return Workload(model=MODELS[model], batch=images, loss=_ce, optimizer=optimizer, name=f"tv-{model}")
+
+
+def _t5_model() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(decoder_start_token_id=0, pad_token_id=0))
+
+
+def _t5_batch(b: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 32128, (b, 512)), "labels": torch.randint(0, 32128, (b, 128))}
+
+
+def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _t5_small() -> Any:
+    from batchfit import Workload
+
+    return Workload(model=_t5_model, batch=_t5_batch, loss=_hf_loss, optimizer=_adamw_1e4, name="t5-small")
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding(10000, 512) -> 2-layer LSTM(512, 1024) -> Linear(1024, 10000)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10000, 512)
+        self.rnn = nn.LSTM(512, 1024, num_layers=2, batch_first=True)
+        self.head = nn.Linear(1024, 10000)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+def _token_ids(b: int) -> torch.Tensor:
+    return torch.randint(0, 10000, (b, 128))
+
+
+def _next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.reshape(-1, 10000), ids.roll(-1, dims=1).reshape(-1))
+
+
+def _lstm_lm() -> Any:
+    from batchfit import Workload
+
+    return Workload(model=LSTMLanguageModel, batch=_token_ids, loss=_next_token_loss, optimizer=_adam,
+                    name="lstm-lm")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Case:
     """One workload, the (precision, batch sizes) to run it at, and whether to compare fit's maximum."""
@@ -157,6 +244,15 @@ class Case:
     fit: str | None = None
     """Precision of the fit comparison (None: no comparison); in ``--quick`` only where ``quick_fit``."""
     quick_fit: bool = False
+    checkpointing: bool = False
+    """Activation checkpointing of the workload's blocks, in the real steps and the estimates alike."""
+    probes: tuple[int, ...] = ()
+    """Batch sizes to run near the capacity, each recorded as a ``probe`` row: ran or out of memory."""
+
+    @property
+    def blocks(self) -> str | None:
+        """``checkpointing=`` of ``batchfit.estimate`` and ``fit`` for this case."""
+        return "blocks" if self.checkpointing else None
 
 
 CASES = (
@@ -184,6 +280,19 @@ CASES = (
     Case("vgg11-bn", "vision-cnn", partial(_torch, VGG11, _images, "vgg11-bn"), (("fp32", (16, 32)),)),
     Case("lstm-bi", "rnn", partial(_torch, LSTMClassifier, _sequences, "lstm-bi"), (("fp32", (64, 256)),),
          (("fp32", (64,)),), fit="fp32"),
+    # The plain-loop cases first measured on an H100 (benchmarks/results/README.md), with the probes that
+    # decide a fit: the batch the estimate says is the largest, and the ones around it.
+    Case("llama31-8b-lora-qv-ckpt-s2048", "lora", partial(_hub_lora, "llama-3.1-8b", "q_proj+v_proj", 2048),
+         (("bf16-true", (8,)),), checkpointing=True, probes=(14, 15, 16, 17)),
+    Case("qwen25-7b-lora-all-ckpt-s4096", "lora", partial(_hub_lora, "qwen2.5-7b", "all-linear", 4096),
+         (("bf16-true", (4,)),), checkpointing=True, probes=(6, 7, 8, 9)),
+    Case("t5-small-adamw", "transformer", _t5_small, (("fp32", (32,)),)),
+    Case("tv-resnet50-sgd", "vision-cnn", partial(_tv, "resnet50", _sgd), (("fp32", (64, 128)),)),
+    Case("tv-resnet50-sgd-bf16", "vision-cnn", partial(_tv, "resnet50", _sgd), (("bf16", (128,)),)),
+    Case("tv-densenet121-sgd", "vision-cnn", partial(_tv, "densenet121", _sgd), (("fp32", (64,)),)),
+    Case("tv-vgg16-adam", "vision-cnn", partial(_tv, "vgg16", _adam), (("fp32", (32,)),)),
+    Case("tv-inception_v3-299-adam", "vision-cnn", partial(_tv, "inception_v3", _adam, 299), (("fp32", (32,)),)),
+    Case("lstm-lm-adam", "rnn", _lstm_lm, (("fp32", (64,)),)),
 )  # fmt: skip
 BY_NAME = {c.name: c for c in CASES}
 
@@ -193,15 +302,18 @@ def _relative(estimate: int | None, real: int | None) -> float | None:
     return None if not estimate or not real else (estimate - real) / real
 
 
-def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path | None = None) -> dict[str, Any]:
+def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path | None = None,
+               checkpointing: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Two real steps from a clean allocator: the peaks and NVML's used memory of this process after them.
 
     ``snapshot``: where to write the allocator's history of the two steps (``torch.cuda.memory``'s snapshot,
-    every allocation, free and segment with its stack), to set beside the estimate's (``batchfit report
-    --snapshot``) with ``benchmarks/snapshot_segments.py``.
+    every allocation, free, segment and out-of-memory error, gzip-compressed), recorded from an empty cache
+    and before the model is built, so that ``benchmarks/snapshot_replay.py`` replays it exactly. A step
+    that runs out of memory is an ``error`` row, its snapshot kept: the OOM is what it records.
     """
     import gc
 
+    from batchfit.checkpointing import checkpoint_classes
     from batchfit.memory.steps import build_for_steps, run_workload_steps
 
     gc.collect()
@@ -213,24 +325,32 @@ def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path 
     torch.cuda.reset_peak_memory_stats()
     model = optimizer = None
     if snapshot is not None:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=10_000_000)
+    out: dict[str, Any] = {"torch": torch.__version__}
     try:
-        model, optimizer = build_for_steps(workload, policy.param_dtype, (), device="cuda")
+        classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+        model, optimizer = build_for_steps(workload, policy.param_dtype, classes, device="cuda")
         run_workload_steps(workload, model, optimizer, batch, param_dtype=policy.param_dtype,
                            autocast=policy.autocast("cuda"), move=lambda t: t.to("cuda"))  # fmt: skip
         torch.cuda.synchronize()
-        if snapshot is not None:
-            torch.cuda.memory._dump_snapshot(str(snapshot))
-        return {"real_allocated": int(torch.cuda.max_memory_allocated()),
-                "real_reserved": int(torch.cuda.max_memory_reserved()), "real_nvml": gpu.process_used()}  # fmt: skip
+        out.update(real_allocated=int(torch.cuda.max_memory_allocated()),
+                   real_reserved=int(torch.cuda.max_memory_reserved()), real_nvml=gpu.process_used(),
+                   result="ran")  # fmt: skip
     except torch.OutOfMemoryError:
-        return {"error": "real step ran out of memory"}
+        out.update(error="real step ran out of memory", result="out of memory")
     finally:
         if snapshot is not None:
+            recorded = torch.cuda.memory._snapshot()
+            recorded["recorded_with"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                                         "total_bytes": torch.cuda.get_device_properties(0).total_memory}  # fmt: skip
+            with gzip.open(snapshot, "wb") as f:
+                pickle.dump(recorded, f, protocol=4)
             torch.cuda.memory._record_memory_history(enabled=None)
+            out["snapshot"] = snapshot.name
         del model, optimizer
         gc.collect()
         torch.cuda.empty_cache()
+    return out
 
 
 def _profiled(device: Any, profile_path: str | None) -> Any:
@@ -242,14 +362,15 @@ def _profiled(device: Any, profile_path: str | None) -> Any:
     return profiles.load(profile_path).apply(device, profile_path)
 
 
-def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled: Any) -> dict[str, Any]:
+def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled: Any,
+               checkpointing: str | None = None) -> dict[str, Any]:  # fmt: skip
     import batchfit
 
-    est = batchfit.estimate(workload, batch, device=device, precision=precision)
+    est = batchfit.estimate(workload, batch, device=device, precision=precision, checkpointing=checkpointing)
     out = {"est_allocated": est.peak_allocated_bytes, "est_reserved": est.peak_reserved_bytes,
-           "est_total": est.device_total_bytes, "context_default": est.context_bytes}  # fmt: skip
+           "est_total": est.device_total_bytes, "context_default": est.context_bytes, "est_fits": est.fits}  # fmt: skip
     if profiled is not None:
-        p = batchfit.estimate(workload, batch, device=profiled, precision=precision)
+        p = batchfit.estimate(workload, batch, device=profiled, precision=precision, checkpointing=checkpointing)
         out.update(est_total_profile=p.device_total_bytes, est_reserved_profile=p.peak_reserved_bytes,
                    context_profile=p.context_bytes)  # fmt: skip
     return out
@@ -259,7 +380,6 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
     """Run one case and print one JSON object per row (never raises for a row)."""
     from batchfit.gpu._cuda import cuda_device
     from batchfit.gpu.calibrate import TorchGpu
-    from batchfit.precision import policy_for
 
     gpu = TorchGpu()  # NVML's baseline is read now, before this process has a CUDA context
     case = BY_NAME[name]
@@ -271,24 +391,44 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is an error row
         print(json.dumps({**base, "kind": "step", "error": f"building: {type(e).__name__}: {e}"[:300]}), flush=True)
         return 0
-    for precision, batches in case.quick if quick else case.runs:
-        policy = policy_for(precision, bf16_supported=device.bf16, device_name=device.name)
-        for batch in batches:
-            row: dict[str, Any] = {**base, "kind": "step", "precision": precision, "batch": batch}
-            start = time.perf_counter()
-            snapshot = Path(snapshots) / f"snapshot-{case.name}-{precision}-{batch}.pickle" if snapshots else None
-            for part in (partial(_real_step, workload, batch, policy, gpu, snapshot),
-                         partial(_estimates, workload, batch, precision, device, profiled)):  # fmt: skip
-                try:
-                    row.update(part())
-                except Exception as e:  # noqa: BLE001 - recorded, the next part still runs
-                    row["error"] = (row.get("error", "") + f" {type(e).__name__}: {e}")[:300].strip()
-            row["seconds"] = round(time.perf_counter() - start, 1)
-            print(json.dumps(row), flush=True)
+    folder = Path(snapshots) if snapshots else None
+    runs = [("step", precision, batch) for precision, batches in (case.quick if quick else case.runs)
+            for batch in batches]  # fmt: skip
+    if not quick and case.probes:
+        runs += [("probe", case.runs[0][0], batch) for batch in case.probes]
+    for kind, precision, batch in runs:
+        print(json.dumps(_measured_row(kind, case, workload, precision, batch, device, profiled, gpu, folder, base)),
+              flush=True)  # fmt: skip
     if case.fit and (case.quick_fit or not quick):
         # --quick leaves out the profile's fit: four more traces per case
-        print(json.dumps(_fit_row(case, workload, device, None if quick else profiled, base)), flush=True)
+        row = _fit_row(case, workload, device, None if quick else profiled, base)
+        print(json.dumps(row), flush=True)
+        if folder is not None and row.get("fit_est_max"):  # the estimated largest batch and the next one
+            for batch in (row["fit_est_max"], row["fit_est_max"] + 1):
+                print(json.dumps(_measured_row("probe", case, workload, case.fit, batch, device, None, gpu, folder,
+                                               base)), flush=True)  # fmt: skip
     return 0
+
+
+def _measured_row(kind: str, case: Case, workload: Any, precision: str, batch: int, device: Any, profiled: Any,
+                  gpu: Any, folder: Path | None, base: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """A real step at ``batch`` (with its snapshot when ``folder`` is given) beside the estimates of it."""
+    from batchfit.precision import policy_for
+
+    policy = policy_for(precision, bf16_supported=device.bf16, device_name=device.name)
+    row: dict[str, Any] = {**base, "kind": kind, "precision": precision, "batch": batch}
+    start = time.perf_counter()
+    snapshot = None if folder is None else folder / f"snapshot-{case.name}-{precision}-{batch}.pickle.gz"
+    for part in (partial(_real_step, workload, batch, policy, gpu, snapshot, case.blocks),
+                 partial(_estimates, workload, batch, precision, device, profiled, case.blocks)):  # fmt: skip
+        try:
+            row.update(part())
+        except Exception as e:  # noqa: BLE001 - recorded, the next part still runs
+            row["error"] = (row.get("error", "") + f" {type(e).__name__}: {e}")[:300].strip()
+    if kind == "probe" and row.get("result") == "out of memory":
+        row.pop("error", None)  # a probe that runs out of memory has measured what it was for
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
 
 
 def _fit_row(case: Case, workload: Any, device: Any, profiled: Any, base: dict[str, Any]) -> dict[str, Any]:
@@ -297,11 +437,12 @@ def _fit_row(case: Case, workload: Any, device: Any, profiled: Any, base: dict[s
     row: dict[str, Any] = {**base, "kind": "fit", "precision": case.fit}
     start = time.perf_counter()
     try:
-        row["fit_est_max"] = batchfit.fit(workload, device, precision=case.fit).max_batch_size
+        fit = partial(batchfit.fit, workload, precision=case.fit, checkpointing=case.blocks)
+        row["fit_est_max"] = fit(device).max_batch_size
         if profiled is not None:
-            row["fit_est_max_profile"] = batchfit.fit(workload, profiled, precision=case.fit).max_batch_size
+            row["fit_est_max_profile"] = fit(profiled).max_batch_size
         # Real steps at the traced guess and its neighbours until b fits and b + 1 does not.
-        row["fit_real_max"] = batchfit.fit(workload, "cuda", precision=case.fit).max_batch_size
+        row["fit_real_max"] = fit("cuda").max_batch_size
         row["fit_ratio"] = row["fit_est_max"] / row["fit_real_max"]
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -410,6 +551,22 @@ def report(rows: list[dict[str, Any]], profile_note: str) -> bool:
                      str(r.get("fit_est_max_profile", "-")), str(r.get("fit_real_max", "-")),
                      "-" if ratio is None else f"{ratio:.3f}", (r.get("error") or "")[:60])  # fmt: skip
     console.print(fits)
+    probe_rows = [r for r in rows if r.get("kind") == "probe"]
+    unsafe = 0
+    if probe_rows:
+        probes = Table(title="probes near the capacity: does the estimate say the step fits, as the GPU did?",
+                       title_justify="left")  # fmt: skip
+        for col in ("case", "prec", "batch", "real", "real reserved", "est total", "estimate says", "note"):
+            words = col in ("case", "prec", "real", "estimate says", "note")
+            probes.add_column(col, justify="left" if words else "right")
+        for r in probe_rows:
+            said = {True: "fits", False: "does not fit"}.get(r.get("est_fits"), "-")
+            wrong = r.get("est_fits") is True and r.get("result") == "out of memory"
+            unsafe += wrong
+            note = "fits said, ran out of memory" if wrong else (r.get("error") or "")[:60]
+            probes.add_row(r["case"], r.get("precision", "-"), str(r.get("batch", "-")), r.get("result") or "-",
+                           _mib(r.get("real_reserved")), _mib(r.get("est_total")), said, note)  # fmt: skip
+        console.print(probes)
     console.print(f"device profile: {profile_note}")
     ok = True
     for key, what in (("err_reserved", "reserved"), ("err_allocated", "allocated"),
@@ -433,6 +590,9 @@ def report(rows: list[dict[str, Any]], profile_note: str) -> bool:
         console.print(f"fit: estimated / real maximum from {min(ratios):.3f} to {max(ratios):.3f} "
                       f"(target: runs for real, >= 0.95: {'met' if met else 'MISSED'})")  # fmt: skip
         ok &= met
+    if probe_rows:
+        console.print(f"probes: {unsafe} of {len(probe_rows)} said to fit ran out of memory (target: none)")
+        ok &= unsafe == 0
     errors = sum(1 for r in rows if r.get("error"))
     console.print(f"{len(rows)} rows, {errors} with errors")
     return ok and errors == 0
@@ -450,35 +610,43 @@ def write_csv(rows: list[dict[str, Any]], out_dir: Path) -> Path:
 
 
 def replay(path: Path, profile_path: str | None, cases: set[str] | None = None) -> list[dict[str, Any]]:
-    """The step rows of a measured CSV with their estimates made again now (the fit rows as measured);
-    ``cases``: only these cases' rows."""
-    from batchfit.gpu.catalog import get_device
-
+    """The step and probe rows of a measured CSV with their estimates made again now (the fit rows as
+    measured); ``cases``: only these cases' rows."""
     with path.open(newline="") as f:
         measured = [r for r in csv.DictReader(f) if cases is None or r["case"] in cases]
-    rows = []
     devices: dict[str, tuple[Any, Any]] = {}  # per GPU named: the catalog's device and the profiled one
     workloads: dict[str, Any] = {}  # per case: one workload for all its rows, as a worker has
-    for old in measured:
-        row: dict[str, Any] = {k: _number(v) for k, v in old.items() if k in FIELDS}
-        if old["kind"] != "step" or not old.get("real_allocated") or old["case"] not in BY_NAME:
-            rows.append(row)
-            continue
-        for key in [k for k in row if k.startswith(("est_", "err_", "context_"))] + ["error"]:
-            row[key] = None
-        try:
-            if old["gpu"] not in devices:
-                device = get_device(old["gpu"])
-                devices[old["gpu"]] = (device, _profiled(device, profile_path))
-            if old["case"] not in workloads:
-                workloads[old["case"]] = BY_NAME[old["case"]].make()
-            device, profiled = devices[old["gpu"]]
-            row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled))
-        except Exception as e:  # noqa: BLE001 - an error row, the others still run
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        _add_errors(row)
-        rows.append(row)
-    return rows
+    return [replay_row(old, profile_path, devices, workloads) for old in measured]
+
+
+def replay_row(old: dict[str, str], profile_path: str | None = None, devices: dict[str, tuple[Any, Any]] | None = None,
+               workloads: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One row of a measured CSV (as ``csv.DictReader`` reads it) with its estimates made again now; rows
+    that are neither a measured step nor a probe of a known case come back as they were. ``devices`` and
+    ``workloads`` keep what was built for the rows before."""
+    from batchfit.gpu.catalog import get_device
+
+    devices = {} if devices is None else devices
+    workloads = {} if workloads is None else workloads
+    row: dict[str, Any] = {k: _number(v) for k, v in old.items() if k in FIELDS}
+    measured_step = old["kind"] == "step" and old.get("real_allocated")
+    if not (measured_step or old["kind"] == "probe") or old["case"] not in BY_NAME:
+        return row
+    for key in [k for k in row if k.startswith(("est_", "err_", "context_"))] + ["error"]:
+        row[key] = None
+    try:
+        if old["gpu"] not in devices:
+            device = get_device(old["gpu"])
+            devices[old["gpu"]] = (device, _profiled(device, profile_path))
+        if old["case"] not in workloads:
+            workloads[old["case"]] = BY_NAME[old["case"]].make()
+        device, profiled = devices[old["gpu"]]
+        row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled,
+                              BY_NAME[old["case"]].blocks))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - an error row, the others still run
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    _add_errors(row)
+    return row
 
 
 def _number(value: str) -> Any:

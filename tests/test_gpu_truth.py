@@ -74,7 +74,7 @@ def test_every_case_makes_a_workload_and_quick_is_a_subset(truth: ModuleType) ->
 
     for case in truth.CASES:
         assert isinstance(case.make(), Workload), case.name
-        assert all(p in ("fp32", "bf16", "fp16") for p, _ in case.runs + case.quick)
+        assert all(p in ("fp32", "bf16", "fp16", "bf16-true") for p, _ in case.runs + case.quick)
     quick = [c.name for c in truth.CASES if c.quick]
     assert {"mlp", "cnn-resnet18", "gpt2-small", "llama-gqa", "mixtral-moe", "lora-llama", "hf-vit-base",
             "lstm-bi"} <= set(quick)  # fmt: skip

@@ -233,3 +233,27 @@ def test_a_traced_step_exported_as_a_snapshot_replays_exactly(gpt_trace, version
     assert r.model_peak_reserved_bytes == r.real_peak_reserved_bytes == bounded.peak_reserved_bytes
     assert r.model_retries == r.real_retries == bounded.num_alloc_retries
     assert len(r.real_ooms) == len(r.model_ooms) == bounded.num_ooms
+
+
+def test_the_recording_torch_is_read_from_the_snapshot_when_written_there() -> None:
+    lowest = _equal_blocks_in_two_segments(C)
+    assert replay_snapshot({**lowest, "recorded_with": {"torch": "2.11.0+cu130"}}).exact
+    assert not replay_snapshot({**lowest, "recorded_with": {"torch": "2.14.1"}}).exact
+    assert replay_snapshot({**lowest, "recorded_with": {"torch": "2.14.1"}}, torch_version="2.11.0").exact
+
+
+def test_the_replay_benchmark_reads_folders_and_says_which_snapshots_replay(tmp_path: Path, capsys) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "snapshot_replay.py"
+    spec = importlib.util.spec_from_file_location("snapshot_replay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "a.pickle.gz").write_bytes(gzip.compress(pickle.dumps(_equal_blocks_in_two_segments(C))))
+    (tmp_path / "b.pickle").write_bytes(pickle.dumps(_equal_blocks_in_two_segments(A)))
+    assert module.main([str(tmp_path), "--torch", "2.11.0"]) == 1
+    out = capsys.readouterr().out
+    assert "a.pickle.gz: exact; 7 entries" in out and "b.pickle: 1 differ" in out
+    assert "first difference: entry 8 (alloc of 12.00 MiB)" in out
+    assert out.endswith("1 of 2 snapshots replayed exactly\n")
+    assert module.main([str(tmp_path / "nothing")]) == 1

@@ -256,7 +256,8 @@ def replay_snapshot(
         device: the CUDA device whose trace to replay.
         capacity_bytes: what the allocator could reserve on that GPU (None: read from the stream).
         torch_version: the torch that recorded it, which decides how equal free blocks are ordered
-            (None: the installed one).
+            (None: the snapshot's ``recorded_with["torch"]`` where ``benchmarks/gpu_truth.py`` wrote one,
+            else the installed torch).
 
     Returns:
         A ``StreamReplay``; ``.exact`` when the model made every decision the GPU made.
@@ -266,7 +267,7 @@ def replay_snapshot(
     """
     snap = load_snapshot(snapshot) if isinstance(snapshot, (str, Path)) else snapshot
     events, unsupported = read_events(snap, device)
-    tie_order = tie_order_for(torch_version)
+    tie_order = tie_order_for(torch_version or (snap.get("recorded_with") or {}).get("torch"))
     if unsupported is not None:
         source = "given" if capacity_bytes is not None else "none"
         return StreamReplay(len(events), 0, None, None, _real_peak(events), 0, (), (), 0, 0, capacity_bytes, source,
