@@ -34,6 +34,16 @@ def _plans_fit_one_configuration_at_a_time() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fits_exact_against_the_allocator_model() -> Iterator[None]:
+    """Fits answer with the allocator model alone (``BATCHFIT_KNOWN_ERRORS=0``), so that tests of the search
+    compare it with ``estimate`` exactly; ``tests/test_fit_known_error.py`` and ``test_gpu_truth_rows.py``
+    turn the measured errors back on, as a user has them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHFIT_KNOWN_ERRORS", "0")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_trace_cache() -> None:
     """Each test starts with nothing cached in memory (the disk cache is per session, see above)."""

@@ -22,7 +22,8 @@ from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import _as_workload, with_accumulation
 from ..precision import policy_for
 from .budget import device_budget, fit_setting, is_modelled, real_step
-from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max
+from .known_error import keep_known_errors, table_key
+from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
 from .seqlen import check_seq_request, fit_seq_len
 
 __all__ = ["FitAttempt", "FitResult", "fit"]
@@ -43,6 +44,7 @@ def fit(
     batch_size: int | None = None,
     seq_multiple: int = 1,
     progress: Callable[[str], None] | None = None,
+    known_error: bool | None = None,
 ) -> FitResult:
     """The largest micro-batch of ``workload`` that fits on ``device``, or the longest sequence at a batch.
 
@@ -69,6 +71,12 @@ def fit(
         seq_multiple: with ``maximize="seq_len"``, only lengths that are multiples of this (64 or 128
             for kernels that want them); the answer ``L`` fits and ``L + seq_multiple`` does not.
         progress: called with a short description before each traced step (for a progress display).
+        known_error: keep the measured error of the model's family free on a modelled GPU (below); False
+            fits the allocator model's answer alone; None: yes, unless ``BATCHFIT_KNOWN_ERRORS=0``.
+
+    A modelled GPU's budget also keeps free the measured error of the model's family, where real GPUs
+    showed the estimate to be low (a recurrent network's cuDNN workspace): ``FitResult.known_error`` says
+    what was kept and why (NOTE [ Keeping a measured error free ] in ``planning/known_error.py``).
 
     Raises:
         ConfigError: a device without a capacity (the cpu), a margin outside [0, 1), or a sequence
@@ -86,13 +94,14 @@ def fit(
         raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
     workload = with_accumulation(_as_workload(workload), accumulation_steps)
     seq = check_seq_request(workload, maximize, batch_size, seq_multiple, max_batch_size)
+    known_error = keep_known_errors(known_error)
 
     def run() -> FitResult:
         if seq:
             return fit_seq_len(workload, device, batch_size, seq_multiple, precision, checkpointing, margin,  # type: ignore[arg-type]
-                               expandable_segments, shard_over, verify, progress)  # fmt: skip
+                               expandable_segments, shard_over, verify, progress, known_error)  # fmt: skip
         return _fit(workload, device, precision, checkpointing, margin, expandable_segments, shard_over, verify,
-                    max_batch_size, progress)  # fmt: skip
+                    max_batch_size, progress, known_error)  # fmt: skip
 
     if not is_modelled(device):
         return run()
@@ -102,7 +111,7 @@ def fit(
     dev = device_budget(device, margin)[0]  # type: ignore[arg-type]
     blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
     settings: tuple[Any, ...] = (precision, blocks, margin, expandable_segments, shard_over, verify, max_batch_size,
-                                 workload.accumulation_steps)  # fmt: skip
+                                 workload.accumulation_steps, known_error and table_key())  # fmt: skip
     if seq:  # the answer depends on how the workload is rebuilt at each length
         settings += ("seq_len", batch_size, seq_multiple, workload.at_seq_len, workload.max_seq_len)
     policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
@@ -120,12 +129,14 @@ def _fit(
     verify: bool,
     max_batch_size: int | None,
     progress: Callable[[str], None] | None,
+    known_error: bool = True,
 ) -> FitResult:
     dev, budget, policy, classes = fit_setting(workload, device, margin, precision, checkpointing)
-    search = _Search(workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
-                     reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over)  # fmt: skip
-    search.progress = progress
     step = real_step(device, budget, policy, classes)
+    search = _Search(workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
+                     reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over,
+                     keep_known_error=known_error and step is None)  # fmt: skip
+    search.progress = progress
 
     def verify_traced(b: int) -> bool:
         return search.fits(search.traced(b))
@@ -143,4 +154,6 @@ def _fit(
     est = search.estimates.get(best)
     if est is None:  # verified by real steps: report the line's prediction rather than trace again
         est = search._estimate(search.line.at(best), best) if search.line is not None else search.traced(best)
-    return search.result(est, max_batch_size=best, line=search.line, traces=dict(search.traces), capped=best == cap)
+    expandable = None if step is not None else expandable_gain(search, best, cap)
+    return search.result(est, max_batch_size=best, line=search.line, traces=dict(search.traces), capped=best == cap,
+                         expandable_max_batch_size=expandable)  # fmt: skip

@@ -25,7 +25,7 @@ from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.estimate import Estimate, _as_workload
 from .ladder import _ladder
-from .messages import _nothing_fits, _warnings, describe_split
+from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
 from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
 from .parallel import fit_ahead, resolve_workers
 
@@ -281,6 +281,10 @@ def plan(
     warnings = _warnings(wl, micro, global_batch_size, config.data_parallel(gpus)) + tuple(
         f"not considered: {', '.join(c.remedies) or 'fp32'}, whose step failed when traced: {e}" for c, e in failed
     )
+    if result.expandable_max_batch_size and accumulation > 1:  # a larger micro-batch would cut the accumulation
+        warnings += (expandable_remedy(result.max_batch_size, result.expandable_max_batch_size),)
+    if result.known_error:
+        warnings += (result.known_error,)
     picked = next(o for f, o in options if f is chosen)
     alternatives = tuple(sorted((o for f, o in options if f is not chosen), key=_by_time))
     tokens = wl.tokens_per_item * global_batch_size if wl.tokens_per_item else None

@@ -70,6 +70,15 @@ class FitResult:
     """The sequence lengths searched were multiples of this."""
     seq_unit: str = "tokens"
     """What one step of the sequence is (``samples`` for waveforms)."""
+    known_error: str | None = None
+    """Why part of the budget was kept free: the model's family was measured to allocate more on a GPU than
+    estimated (NOTE [ Keeping a measured error free ], ``planning/known_error.py``); None: nothing kept."""
+    known_error_bytes: int = 0
+    """The bytes kept free for it (already taken out of ``capacity_bytes``)."""
+    expandable_max_batch_size: int | None = None
+    """The largest micro-batch with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, predicted from the
+    line, when it is larger: the caching allocator's fragmentation, not the live tensors, stops the next
+    batch (None: it is not larger, or the search ran with expandable segments or real steps)."""
 
     def trace_at(self, batch_size: int) -> MemoryTrace | None:
         """The trace at ``batch_size``: traced, else predicted from the line (None without either)."""
@@ -93,6 +102,9 @@ class FitResult:
             "max_seq_len": self.max_seq_len,
             "seq_multiple": self.seq_multiple,
             "seq_unit": self.seq_unit,
+            "known_error": self.known_error,
+            "known_error_bytes": self.known_error_bytes,
+            "expandable_max_batch_size": self.expandable_max_batch_size,
         }
 
 
@@ -116,9 +128,14 @@ class _Search:
         expandable_segments: bool = False,
         reserved_only: bool = False,
         shard_over: int = 1,
+        keep_known_error: bool = False,
     ) -> None:
         self.workload, self.device, self.policy, self.classes = workload, device, policy, classes
         self.budget = budget
+        # Decided from the first trace, before any answer is compared with the budget.
+        self.keep_known_error = keep_known_error and not device.exact
+        self.known_error: str | None = None
+        self.known_error_bytes = 0
         self.expandable_segments = expandable_segments
         self.reserved_only = reserved_only  # a simulated device limits what the allocator reserves
         self.shard_over = shard_over
@@ -139,6 +156,8 @@ class _Search:
             precision=self.policy.precision.value,
             checkpointing=bool(self.classes),
             attempts=tuple(self.attempts),
+            known_error=self.known_error,
+            known_error_bytes=self.known_error_bytes,
             **answer,
         )
 
@@ -160,12 +179,26 @@ class _Search:
             progress, text = self.progress, f"tracing a step of {words}"
             announce = None if progress is None else lambda: progress(text)
             trace = trace_for_device(workload, batch_size, self.device, self.policy, self.classes, announce)
+            if self.keep_known_error:
+                self._keep_known_error_free(trace)
             self.traces[b] = trace
             self.estimates[b] = self._estimate(trace, b, workload)
             self.trials += 1
             est = self.estimates[b]
             self.attempts.append(self.attempt(b, est.device_total_bytes, self.fits(est), "trace"))
         return self.estimates[b]
+
+    def _keep_known_error_free(self, trace: MemoryTrace) -> None:
+        """Take the measured error of the step's family out of the budget, once (NOTE [ Keeping a measured
+        error free ])."""
+        from .known_error import known_error_for
+
+        self.keep_known_error = False
+        known = known_error_for(trace)
+        if known is not None:
+            self.known_error_bytes = int(self.budget * known.fraction)
+            self.known_error = known.describe(self.known_error_bytes)
+            self.budget -= self.known_error_bytes
 
     def real(self, b: int, step_fits: Callable[[Any, int], bool]) -> bool:
         """Whether a real step at search point ``b`` runs (``step_fits(workload, batch_size)``), recorded."""
@@ -314,6 +347,25 @@ def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_
             lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
         guess = lo
     return _settle(min(guess, cap), lambda b: b <= cap and verify(b))
+
+
+def expandable_gain(search: _Search, best: int, cap: int = _MAX_BATCH) -> int | None:
+    """The largest batch up to ``cap`` the line predicts to fit with expandable segments, when it is more
+    than ``best``; None otherwise.
+
+    Only fragmentation can stop ``best + 1`` when its live tensors fit (``allocated_fits``), and expandable
+    segments map pages where the next block needs them instead of cutting cached segments: the remedy costs
+    no speed (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). Replays of the line's traces only.
+    """
+    import copy
+
+    line = search.line
+    if line is None or search.expandable_segments or best >= cap or not search.allocated_fits(line, best + 1):
+        return None
+    mapped = copy.copy(search)
+    mapped.expandable_segments = True
+    found = _largest_predicted(mapped, line, best, cap)
+    return found if found > best else None
 
 
 def _settle(guess: int, verify: Callable[[int], bool]) -> int:

@@ -143,20 +143,21 @@ def fit_seq_len(
     shard_over: int,
     verify: bool,
     progress: Callable[[str], None] | None,
+    known_error: bool = True,
 ) -> FitResult:
     """The longest sequence of ``workload`` that fits at ``batch_size`` (``fit``'s arguments, checked by
     ``check_seq_request``); see NOTE [ Searching the sequence length ]."""
     dev, budget, policy, classes = fit_setting(workload, device, margin, precision, checkpointing)
+    step = real_step(device, budget, policy, classes)  # real steps verify the curve's guess, not traces
     search = _SeqSearch(
         workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
         reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over,
-        batch_size=batch_size, multiple=seq_multiple,
+        batch_size=batch_size, multiple=seq_multiple, keep_known_error=known_error and step is None,
     )  # fmt: skip
     search.progress = progress
     top = None if workload.max_seq_len is None else workload.max_seq_len // seq_multiple
     own = workload.config.get("seq_len") or workload.tokens_per_item
     own = own if isinstance(own, int) and own > 0 else seq_multiple
-    step = real_step(device, budget, policy, classes)  # real steps verify the curve's guess, not traces
     longest = _longest_traced(search, top, max(1, own // seq_multiple), trust_curve=step is not None or not verify)
     if step is not None:  # the guess settled by real steps on the device
         runs: dict[int, bool] = {}

@@ -136,6 +136,8 @@ def fit_table(result: Any) -> Group:
         head.add_row("largest micro-batch", str(result.max_batch_size))
     head.add_row("precision", result.precision + (" + checkpointing" if result.checkpointing else ""))
     head.add_row("budget", format_bytes(result.capacity_bytes))
+    if getattr(result, "known_error", None):
+        head.add_row("kept free", f"{format_bytes(result.known_error_bytes)} (measured error of this kind of model)")
     head.add_row("device total at the maximum", format_bytes(result.estimate.device_total_bytes))
     if getattr(result.estimate, "context_assumption", ""):
         head.add_row("CUDA context", result.estimate.context_assumption)
@@ -147,7 +149,14 @@ def fit_table(result: Any) -> Group:
         total = "-" if a.device_total_bytes is None else format_bytes(a.device_total_bytes)
         point = a.seq_len if seq else a.batch_size
         attempts.add_row(str(point), a.kind, total, Text("yes", "green") if a.fits else Text("no", "red"))
-    return Group(Text(seq_len_line(result)), head, attempts) if seq else Group(head, attempts)
+    parts = [head, attempts]
+    if getattr(result, "known_error", None):
+        parts.append(Text(result.known_error, style="yellow"))
+    if getattr(result, "expandable_max_batch_size", None):
+        from ..planning.messages import expandable_remedy
+
+        parts.append(Text(expandable_remedy(result.max_batch_size, result.expandable_max_batch_size), style="green"))
+    return Group(Text(seq_len_line(result)), *parts) if seq else Group(*parts)
 
 
 def seq_len_line(result: Any) -> str:
