@@ -33,6 +33,14 @@ class UseReentrant(nn.Module):
     """
 
 
+class NonReentrant(nn.Module):
+    """A marker like ``UseReentrant``, for ``use_reentrant=False`` asked for explicitly: a transformers model
+    is then told so, where without a marker it keeps its own default (True before transformers 5.0)."""
+
+
+_MARKERS = (UseReentrant, NonReentrant)
+
+
 def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Module], ...]) -> tuple[type, ...]:
     """The module classes to checkpoint (with ``UseReentrant`` among them for reentrant checkpointing).
 
@@ -48,13 +56,13 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     if checkpointing is None or checkpointing is False:
         return ()
     if checkpointing is True or checkpointing in ("blocks", "reentrant"):
-        if not [b for b in blocks if b is not UseReentrant]:
+        if not [b for b in blocks if b not in _MARKERS]:
             raise ConfigError(
                 "this workload names no blocks to checkpoint; pass checkpointing=[YourBlockClass] "
                 "or set Workload(checkpoint_blocks=(YourBlockClass,))"
             )
         if checkpointing == "reentrant" and UseReentrant not in blocks:
-            return (*blocks, UseReentrant)
+            return (*(b for b in blocks if b is not NonReentrant), UseReentrant)
         return tuple(blocks)
     if isinstance(checkpointing, str):
         raise ConfigError(
@@ -107,7 +115,9 @@ def _quietly(call: Any, *args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
 
 
-def _enable_in_transformers(model: nn.Module, classes: tuple[type, ...], reentrant: bool) -> tuple[set[int], int]:
+def _enable_in_transformers(
+    model: nn.Module, classes: tuple[type, ...], reentrant: bool | None
+) -> tuple[set[int], int]:
     """Turn checkpointing on through each outermost transformers model whose layers are all in ``classes``;
     the ids of the modules it covers (left alone by the block wrapper), and how many layers it checkpoints."""
     try:
@@ -125,7 +135,7 @@ def _enable_in_transformers(model: nn.Module, classes: tuple[type, ...], reentra
         if not layers or not set(layers) <= set(classes):
             continue
         enable = getattr(module, "activation_checkpointing_enable", None) or module.gradient_checkpointing_enable
-        kwargs = {"use_reentrant": True} if reentrant else None  # None: transformers' own default
+        kwargs = None if reentrant is None else {"use_reentrant": reentrant}  # None: transformers' own default
         try:
             _quietly(enable, kwargs)
         except (ValueError, TypeError, NotImplementedError):
@@ -152,10 +162,11 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     recompute it twice.
     """
     reentrant = UseReentrant in classes
-    classes = tuple(c for c in classes if c is not UseReentrant)
+    asked = True if reentrant else (False if NonReentrant in classes else None)
+    classes = tuple(c for c in classes if c not in _MARKERS)
     if not classes:
         return 0
-    covered, wrapped = _enable_in_transformers(model, classes, reentrant)
+    covered, wrapped = _enable_in_transformers(model, classes, asked)
 
     def wrap(module: nn.Module) -> None:
         nonlocal wrapped

@@ -105,6 +105,7 @@ def with_lora(workload: Workload, lora: LoraSpec | str) -> Workload:
         name=f"{workload.name} + {spec.describe()}",
         config={**workload.config, "adapters": spec.describe()},
         at_seq_len=None if rebuild is None else partial(_with_lora_at, rebuild, spec),
+        checkpoint_blocks=spec.checkpoint_blocks(workload.checkpoint_blocks),
     )
 
 

@@ -212,6 +212,7 @@ def workload_from_config(
 
         model = partial(with_adapters, model, lora)
         label = f"{label} + {lora.describe()}"
+        blocks = lora.checkpoint_blocks(blocks)
     kwargs: dict[str, Any] = {}
     if optimizer is not None:
         kwargs["optimizer"] = optimizer

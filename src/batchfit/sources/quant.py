@@ -43,6 +43,9 @@ class QuantSpec:
     """4-bit only: the dtype the matmul runs in (``bnb_4bit_compute_dtype``): bf16, fp16 or fp32."""
     blocksize: int = 64
     """4-bit only: values per scale (bitsandbytes' default)."""
+    quantize_head: bool = False
+    """Quantise the output head too, as Lightning's bitsandbytes precision does; transformers keeps it in the
+    load dtype (``get_keys_to_not_convert``). A head tied to the input embeddings stays unquantised."""
 
     def __post_init__(self) -> None:
         if self.kind not in QUANT_TYPES:
@@ -51,9 +54,10 @@ class QuantSpec:
             raise ConfigError(f"unknown compute dtype {self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
 
     def describe(self) -> str:
+        head = ", head quantised" if self.quantize_head else ""
         if self.kind == "int8":
-            return "int8 base, outlier columns assumed none"
-        return f"{self.kind}{' double-quant' if self.double_quant else ''} base, {self.compute_dtype} compute"
+            return f"int8 base, outlier columns assumed none{head}"
+        return f"{self.kind}{' double-quant' if self.double_quant else ''} base, {self.compute_dtype} compute{head}"
 
     def bnb_config(self) -> Any:
         """The transformers ``BitsAndBytesConfig`` a QLoRA script passes to ``from_pretrained``."""
@@ -237,6 +241,8 @@ def quantize(model: nn.Module, spec: QuantSpec) -> nn.Module:
 
     config = spec.bnb_config()
     keep = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if spec.quantize_head:
+        keep = [k for k in keep if k not in _untied_head_names(model)]
     before = {name: m for name, m in model.named_modules()}
     with quiet_bitsandbytes(), _parameters_of_fakes():
         replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
@@ -262,6 +268,16 @@ def quantize(model: nn.Module, spec: QuantSpec) -> nn.Module:
         model.is_loaded_in_4bit = True
     model.quantization_method = "bitsandbytes"
     return model
+
+
+def _untied_head_names(model: nn.Module) -> set[str]:
+    """The module names (full and last part) of the output head, when it is not tied to the input embeddings."""
+    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None or (callable(get_in) and getattr(get_in(), "weight", None) is getattr(head, "weight", None)):
+        return set()
+    names = {name for name, module in model.named_modules() if module is head}
+    return names | {name.rsplit(".", 1)[-1] for name in names}
 
 
 def prepare_for_training(model: nn.Module) -> nn.Module:
