@@ -257,3 +257,49 @@ def test_the_replay_benchmark_reads_folders_and_says_which_snapshots_replay(tmp_
     assert "first difference: entry 8 (alloc of 12.00 MiB)" in out
     assert out.endswith("1 of 2 snapshots replayed exactly\n")
     assert module.main([str(tmp_path / "nothing")]) == 1
+
+
+def _benchmark(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_stream_diff_finds_a_request_only_the_gpu_made(gpt_trace) -> None:
+    """``benchmarks/stream_diff.py``: a kernel's workspace the trace lacks shows as an inserted alloc and free."""
+    from batchfit.memory.snapshot import build_snapshot
+
+    diff = _benchmark("stream_diff")
+    traced = build_snapshot(gpt_trace)
+    entries = traced["device_traces"][0]
+    at = next(i for i, e in enumerate(entries) if e["action"] == "alloc" and i > len(entries) // 2)
+    frames = [{"filename": "/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": "/home/me/model.py", "line": 12, "name": "forward"}]  # fmt: skip
+    workspace = [entry("alloc", 1, 64 * MiB - 100, frames=frames), entry("free_completed", 1, 64 * MiB - 100)]
+    real = {**traced, "device_traces": [entries[:at] + workspace + entries[at:]]}
+    (only,) = diff.differences(diff.stream(real), diff.stream(traced))
+    assert (only["tag"], only["model"]) == ("insert", [])
+    assert only["real"] == [(("alloc", 64 * MiB), "model.py:12 forward"), (("free", 64 * MiB), "?")]
+    assert diff.summary([only]) == ({("alloc", 64 * MiB): 1, ("free", 64 * MiB): 1}, {})
+
+
+def test_the_stream_diff_of_a_step_against_its_own_trace_is_empty(tmp_path: Path, capsys) -> None:
+    from batchfit import presets
+    from batchfit.gpu.catalog import get_device
+    from batchfit.memory.estimate import trace_for_device
+    from batchfit.memory.snapshot import build_snapshot
+    from batchfit.precision import policy_for
+
+    dev = get_device("H200")
+    wl = presets.get("mlp", in_features=1024, hidden=4096, depth=4)  # gpu_truth's "mlp" case
+    snap = build_snapshot(trace_for_device(wl, 512, dev, policy_for("fp32", device_name=dev.name), ()))
+    path = tmp_path / "snapshot-mlp-fp32-512.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({**snap, "recorded_with": {"gpu": "NVIDIA H200"}})))
+    assert _benchmark("stream_diff").main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "mlp fp32 batch 512 on NVIDIA H200" in out and "0 stretches differ" in out
+    assert "only on the GPU: nothing" in out and "only in the trace: nothing" in out
