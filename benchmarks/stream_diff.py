@@ -52,13 +52,18 @@ def _where(frames: list[dict[str, Any]]) -> str:
     return str(frames[0].get("name", "?")) if frames else "?"
 
 
+_KINDS = {"delete": "GPU only", "insert": "trace only", "replace": "both differ"}
+"""``difflib``'s opcodes from the real stream to the traced one, in words."""
+
+
 def differences(real: list[tuple[Token, str]], model: list[tuple[Token, str]]) -> list[dict[str, Any]]:
     """The stretches where the two streams differ (``difflib``'s non-equal opcodes), in order."""
     matcher = difflib.SequenceMatcher(None, [t for t, _ in real], [t for t, _ in model], autojunk=False)
     out = []
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag != "equal":
-            out.append({"tag": tag, "real_at": i1, "model_at": j1, "real": real[i1:i2], "model": model[j1:j2]})
+            out.append({"kind": _KINDS[tag], "real_at": i1, "model_at": j1, "real": real[i1:i2],
+                        "model": model[j1:j2]})  # fmt: skip
     return out
 
 
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{case} {precision} batch {batch} on {gpu}: {len(real)} real requests and frees, {len(model)} traced; "
           f"{len(diffs)} stretches differ")  # fmt: skip
     for d in diffs[: args.top]:
-        print(f"  real #{d['real_at']} / traced #{d['model_at']} ({d['tag']}): GPU {_describe(d['real'])}; "
+        print(f"  real #{d['real_at']} / traced #{d['model_at']} ({d['kind']}): GPU {_describe(d['real'])}; "
               f"trace {_describe(d['model'])}")  # fmt: skip
     for title, counts in (("only on the GPU", only_real), ("only in the trace", only_model)):
         top = ", ".join(f"{n} x {kind} {size / MiB:,.2f} MiB" for (kind, size), n in counts.most_common(8))

@@ -282,7 +282,7 @@ def test_the_stream_diff_finds_a_request_only_the_gpu_made(gpt_trace) -> None:
     workspace = [entry("alloc", 1, 64 * MiB - 100, frames=frames), entry("free_completed", 1, 64 * MiB - 100)]
     real = {**traced, "device_traces": [entries[:at] + workspace + entries[at:]]}
     (only,) = diff.differences(diff.stream(real), diff.stream(traced))
-    assert (only["tag"], only["model"]) == ("insert", [])
+    assert (only["kind"], only["model"]) == ("GPU only", [])
     assert only["real"] == [(("alloc", 64 * MiB), "model.py:12 forward"), (("free", 64 * MiB), "?")]
     assert diff.summary([only]) == ({("alloc", 64 * MiB): 1, ("free", 64 * MiB): 1}, {})
 
