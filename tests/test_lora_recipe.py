@@ -136,3 +136,33 @@ def test_the_recipe_is_said_in_the_estimate_and_bad_values_are_one_line() -> Non
                        ("r=8,reentrant=maybe", "reentrant must be true or false")]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             parse_lora(bad)
+
+
+def test_the_hugging_face_recipe_is_a_precision_bf16_weights_under_autocast_with_peft_s_adapters() -> None:
+    """``bf16-true-autocast``: a model loaded in bf16 and trained with ``TrainingArguments(bf16=True)``. The
+    base is built in bf16, peft's adapters stay fp32, the forward runs under autocast; exact on the CPU."""
+    from batchfit.precision import Precision, policy_for
+
+    policy = policy_for("bf16-true-autocast")
+    assert (policy.precision, policy.param_dtype, policy.autocast_dtype) == (
+        Precision.BF16_TRUE_AUTOCAST, torch.bfloat16, torch.bfloat16)  # fmt: skip
+    dtypes = _dtypes("r=4,targets=all-linear", policy.param_dtype)
+    assert dtypes == {"trainable": {torch.float32}, "norms": {torch.bfloat16}}
+    wl = _workload("r=4,targets=all-linear")
+    recipe = batchfit.estimate(wl, 2, device="cpu", precision="bf16-true-autocast")
+    assert recipe.precision == "bf16-true-autocast"
+    assert recipe.peak_allocated_bytes == measure_cpu_peak(wl, 2, precision="bf16-true-autocast")
+    true = batchfit.estimate(wl, 2, device="cpu", precision="bf16-true")
+    mixed = batchfit.estimate(wl, 2, device="cpu", precision="bf16")
+    assert recipe.breakdown["parameters"] == true.breakdown["parameters"]  # bf16 base, fp32 adapters: the same
+    assert recipe.breakdown["parameters"] < mixed.breakdown["parameters"]  # not fp32 weights
+    with pytest.raises(ConfigError, match="no native bf16"):
+        policy_for("bf16-true-autocast", bf16_supported=False, device_name="V100-16GB")
+
+
+def test_a_gpu_estimate_and_fit_take_the_new_precision() -> None:
+    est = batchfit.estimate(batchfit.presets.get("gpt", n_layer=1, n_embd=32, n_head=2, vocab_size=64, seq_len=16),
+                            2, device="A100-40GB", precision="bf16-true-autocast")  # fmt: skip
+    assert est.precision == "bf16-true-autocast" and est.analytic
+    with pytest.raises(ConfigError, match="bf16-true-autocast"):
+        batchfit.estimate("gpt", 2, device="cpu", precision="bf16-autocast-true")

@@ -6,6 +6,12 @@
 | ``bf16``    | fp32                                | autocast bf16 (fp32 master weights)|
 | ``fp16``    | fp32                                | autocast fp16 (+ a GradScaler)    |
 | ``bf16-true`` | bf16                              | bf16                              |
+| ``bf16-true-autocast`` | bf16 as built (peft's adapters fp32) | autocast bf16           |
+
+``bf16-true-autocast`` is the Hugging Face recipe: a model loaded with ``torch_dtype=torch.bfloat16`` and
+trained with ``TrainingArguments(bf16=True)`` (autocast on). Its weights are built in bf16, but what peft
+adds stays as peft makes it (fp32 adapters), and autocast keeps CUDA's fp32 ops (softmax, norms, losses)
+in fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class Precision(str, Enum):
     BF16 = "bf16"
     FP16 = "fp16"
     BF16_TRUE = "bf16-true"
+    BF16_TRUE_AUTOCAST = "bf16-true-autocast"
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ def policy_for(precision: str | Precision, *, bf16_supported: bool = True, devic
         ConfigError: unknown precision, or bf16 on a GPU without it (V100, T4).
     """
     p = parse_precision(precision)
-    if p in (Precision.BF16, Precision.BF16_TRUE) and not bf16_supported:
+    if p in (Precision.BF16, Precision.BF16_TRUE, Precision.BF16_TRUE_AUTOCAST) and not bf16_supported:
         raise ConfigError(
             f"{device_name or 'this GPU'} has no native bf16; use --precision fp16 (autocast with a GradScaler)"
         )
@@ -75,4 +82,6 @@ def policy_for(precision: str | Precision, *, bf16_supported: bool = True, devic
         return PrecisionPolicy(p, None, torch.bfloat16)
     if p is Precision.FP16:
         return PrecisionPolicy(p, None, torch.float16)
+    if p is Precision.BF16_TRUE_AUTOCAST:
+        return PrecisionPolicy(p, torch.bfloat16, torch.bfloat16)
     return PrecisionPolicy(p, torch.bfloat16, None)

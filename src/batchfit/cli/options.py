@@ -46,7 +46,9 @@ FusedLossOpt = Annotated[
 DeviceOpt = Annotated[
     str, typer.Option("--device", "-d", help="A catalog GPU (see `batchfit gpus`), a capacity like 24GiB, or cpu.")
 ]
-PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, bf16, fp16 or bf16-true.")]
+PrecisionOpt = Annotated[
+    str, typer.Option("--precision", "-p", help="fp32, bf16, fp16, bf16-true or bf16-true-autocast.")
+]
 SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (language-model presets).")]
 OptimizerOpt = Annotated[
     str | None,

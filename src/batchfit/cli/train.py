@@ -46,7 +46,9 @@ def train(
         str,
         typer.Option("--device", "-d", help="cpu, cuda[:N], or a simulated GPU: simulated:64MiB, T4, 24GiB..."),
     ] = "cpu",
-    precision: Annotated[str, typer.Option("--precision", "-p", help="fp32, bf16, fp16 or bf16-true.")] = "fp32",
+    precision: Annotated[
+        str, typer.Option("--precision", "-p", help="fp32, bf16, fp16, bf16-true or bf16-true-autocast.")
+    ] = "fp32",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the model's initialisation and of the data.")] = 0,
     dtype: Annotated[
         DType, typer.Option("--dtype", help="float64 builds model and data in double precision (exactness checks).")
@@ -110,7 +112,7 @@ def train(
         raise ConfigError(f"{preset!r} has no synthetic items (Workload.items); batchfit train needs them")
     place = _join_process_group(device, global_batch_size, tp)
     trainer_device, sim = _device(device, precision)
-    if precision.lower() == "bf16-true":
+    if precision.lower() in ("bf16-true", "bf16-true-autocast"):
         model_dtype = torch.bfloat16
     torch.manual_seed(seed)
     with default_dtype(model_dtype):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..precision import Precision, PrecisionPolicy
+from ..precision import PrecisionPolicy
 from .categories import Category
 from .trace import MemoryTrace
 
@@ -75,7 +75,7 @@ def analytic_estimate(
     from ..sources.optim import known_states
 
     param_bytes = sum(n for sid, n in trace.nbytes.items() if trace.role.get(sid) is Category.PARAMETERS)
-    elem = 2 if policy.precision is Precision.BF16_TRUE else 4
+    elem = 2 if policy.param_dtype is not None and policy.param_dtype.itemsize == 2 else 4  # weights built in bf16
     optimizer = optimizer_name(workload)
     states = known_states(optimizer)
     if states is None:  # an optimizer the equation does not know: AdamW's two moments
