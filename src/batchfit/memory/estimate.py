@@ -258,7 +258,7 @@ def estimate(
         batch_size: items in the step's batch.
         device: a catalog GPU (``"A100-40GB"``), a capacity (``"24GiB"``), ``"cpu"`` or a ``Device``.
             On ``"cpu"`` the peak is the exact number of bytes the CPU allocator holds.
-        precision: ``fp32``, ``bf16``, ``fp16`` (autocast) or ``bf16-true``.
+        precision: ``fp32``, ``bf16``, ``fp16`` (autocast), ``bf16-true`` or ``bf16-true-autocast``.
         checkpointing: None, ``"blocks"`` (the workload's blocks) or a list of module classes.
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         accumulation_steps: micro-batches of ``batch_size`` per optimizer step (None: the workload's,

@@ -53,7 +53,7 @@ def fit(
         device: a catalog GPU or capacity (traced, exact against the allocator model), a
             ``SimulatedDevice`` (traced search, verified with real steps inside it), or ``"cuda"``
             (traced search, verified with real steps on the GPU).
-        precision: ``fp32``, ``bf16``, ``fp16`` or ``bf16-true``.
+        precision: ``fp32``, ``bf16``, ``fp16``, ``bf16-true`` or ``bf16-true-autocast``.
         checkpointing: None, ``"blocks"`` or a list of module classes.
         margin: fraction of the device's memory to leave free (0.1 keeps 10% in reserve).
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.

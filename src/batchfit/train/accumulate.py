@@ -103,7 +103,7 @@ class Accumulator:
         scheduler: stepped once per optimizer step (not when fp16 skipped the step).
         grad_scaler: a ``torch.amp.GradScaler``; by default one is made for ``precision="fp16"`` (a
             ``ShardedGradScaler`` once the model is sharded with FSDP: see ``match_sharding``).
-        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast of the forward) or ``bf16-true``.
+        precision: ``fp32``, ``bf16``, ``fp16``, ``bf16-true-autocast`` (autocast of the forward) or ``bf16-true``.
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; by default that of the first parameter.
         noise_scale: measure the gradient noise scale into this ``GradientNoiseScale`` (True: a new
             one, False: off); see NOTE [ Gradient noise scale from the window ].

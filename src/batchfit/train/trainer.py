@@ -74,7 +74,7 @@ class Trainer:
             not: the Trainer uses it as a GPU (tensors stay on the CPU; the simulated allocator decides
             what fits). The model's parameters and buffers are placed on it here, each micro-batch is
             copied there when it runs; the global batch passed to ``step`` stays host memory.
-        precision: ``fp32``, ``bf16``, ``fp16`` (with a GradScaler) or ``bf16-true``.
+        precision: ``fp32``, ``bf16``, ``fp16`` (with a GradScaler), ``bf16-true`` or ``bf16-true-autocast``.
         max_grad_norm: clip the global gradient's norm once per step; None: no clipping.
         scheduler: stepped once per optimizer step.
         grad_scaler: a ``torch.amp.GradScaler`` (a ``ShardedGradScaler`` under FSDP); one is made for fp16 when None.
