@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ConfigError
+from ..units import format_bytes
 from .allocator import CachingAllocator
 from .blocks import SMALL_BUFFER, _Block, round_size
 
@@ -373,7 +374,7 @@ class _Comparison:
             return
         self.count += 1
         if self.first is None:
-            what = "empty_cache()" if request is None else f"{request.action} of {_size(request.size)}"
+            what = "empty_cache()" if request is None else f"{request.action} of {format_bytes(request.size)}"
             self.first = f"entry {at} ({what}): the GPU {_words(real)}; the model {_words(model)}"
             self.first_at = at
 
@@ -382,12 +383,8 @@ def _words(events: list[RealEvent]) -> str:
     parts = []
     for e in events:
         where = "" if e.action == "oom" else f" at {e.addr:#x}" if e.addr >= 0 else " at a new address"
-        parts.append(f"{e.action} {_size(e.size)}{where}")
+        parts.append(f"{e.action} {format_bytes(e.size)}{where}")
     return ", ".join(parts) or "did nothing"
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes} B"
 
 
 @dataclass
