@@ -41,6 +41,11 @@ class NonReentrant(nn.Module):
 _MARKERS = (UseReentrant, NonReentrant)
 
 
+def with_reentrant(blocks: tuple[type[nn.Module], ...], reentrant: bool) -> tuple[type[nn.Module], ...]:
+    """``blocks`` checkpointed with ``use_reentrant`` asked for: its marker in place of any other."""
+    return (*(b for b in blocks if b not in _MARKERS), UseReentrant if reentrant else NonReentrant)
+
+
 def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Module], ...]) -> tuple[type, ...]:
     """The module classes to checkpoint (with ``UseReentrant`` among them for reentrant checkpointing).
 
@@ -61,8 +66,8 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
                 "this workload names no blocks to checkpoint; pass checkpointing=[YourBlockClass] "
                 "or set Workload(checkpoint_blocks=(YourBlockClass,))"
             )
-        if checkpointing == "reentrant" and UseReentrant not in blocks:
-            return (*(b for b in blocks if b is not NonReentrant), UseReentrant)
+        if checkpointing == "reentrant":
+            return with_reentrant(tuple(blocks), True)
         return tuple(blocks)
     if isinstance(checkpointing, str):
         raise ConfigError(

@@ -85,10 +85,9 @@ class LoraSpec:
         ``checkpointing.checkpoint_classes`` carries to every place that checkpoints)."""
         if self.reentrant is None:
             return blocks
-        from ..checkpointing import NonReentrant, UseReentrant
+        from ..checkpointing import with_reentrant
 
-        marker = UseReentrant if self.reentrant else NonReentrant
-        return (*(b for b in blocks if b not in (UseReentrant, NonReentrant)), marker)
+        return with_reentrant(blocks, self.reentrant)
 
     def _recipe(self) -> str:
         """The recipe's choices, where a quantised base or a non-default option makes them matter."""
