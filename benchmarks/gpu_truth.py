@@ -195,14 +195,11 @@ def _t5_batch(b: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 32128, (b, 512)), "labels": torch.randint(0, 32128, (b, 128))}
 
 
-def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
-
-
 def _t5_small() -> Any:
     from batchfit import Workload
+    from batchfit.sources.hf_tasks import model_loss
 
-    return Workload(model=_t5_model, batch=_t5_batch, loss=_hf_loss, optimizer=_adamw_1e4, name="t5-small")
+    return Workload(model=_t5_model, batch=_t5_batch, loss=model_loss, optimizer=_adamw_1e4, name="t5-small")
 
 
 class LSTMLanguageModel(nn.Module):
