@@ -62,7 +62,7 @@ FIELDS = ("kind", "case", "family", "precision", "batch", "gpu", "real_allocated
           "est_allocated", "est_reserved", "est_total", "est_total_profile", "est_reserved_profile", "err_allocated",
           "err_reserved", "err_total", "err_total_profile", "fit_est_max", "fit_est_max_profile", "fit_real_max",
           "fit_ratio", "context_default", "context_profile", "error", "seconds", "result", "est_fits", "torch",
-          "snapshot")  # fmt: skip
+          "snapshot", "capacity")  # fmt: skip
 
 
 # -- the cases ----------------------------------------------------------------------------------------
@@ -248,6 +248,9 @@ class Case:
     """Activation checkpointing of the workload's blocks, in the real steps and the estimates alike."""
     probes: tuple[int, ...] = ()
     """Batch sizes to run near the capacity, each recorded as a ``probe`` row: ran or out of memory."""
+    empty_weights: bool = False
+    """Real steps give the model uninitialised storage (``build_for_steps(empty_weights=True)``): the same
+    allocations, without minutes of CPU initialisation for billions of parameters."""
 
     @property
     def blocks(self) -> str | None:
@@ -283,9 +286,9 @@ CASES = (
     # The plain-loop cases first measured on an H100 (benchmarks/results/README.md), with the probes that
     # decide a fit: the batch the estimate says is the largest, and the ones around it.
     Case("llama31-8b-lora-qv-ckpt-s2048", "lora", partial(_hub_lora, "llama-3.1-8b", "q_proj+v_proj", 2048),
-         (("bf16-true", (8,)),), checkpointing=True, probes=(14, 15, 16, 17)),
+         (("bf16-true", (8,)),), checkpointing=True, probes=(14, 15, 16, 17), empty_weights=True),
     Case("qwen25-7b-lora-all-ckpt-s4096", "lora", partial(_hub_lora, "qwen2.5-7b", "all-linear", 4096),
-         (("bf16-true", (4,)),), checkpointing=True, probes=(6, 7, 8, 9)),
+         (("bf16-true", (4,)),), checkpointing=True, probes=(6, 7, 8, 9), empty_weights=True),
     Case("t5-small-adamw", "transformer", _t5_small, (("fp32", (32,)),)),
     Case("tv-resnet50-sgd", "vision-cnn", partial(_tv, "resnet50", _sgd), (("fp32", (64, 128)),)),
     Case("tv-resnet50-sgd-bf16", "vision-cnn", partial(_tv, "resnet50", _sgd), (("bf16", (128,)),)),
@@ -313,13 +316,43 @@ KNOWN_FAMILY = {"transformer": "attention", "LoRA/QLoRA": "adapters", "CNN": "co
                 "MoE": "attention", "other": None}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Run:
+    """``--runs`` item ``CASE[:PRECISION][@CAPACITY]=B1,B2,...``: real steps of one case at these batch sizes,
+    in this precision (default: the case's fit precision, else its first); with ``CAPACITY`` (``16GiB``, bytes)
+    the allocator is capped there by ``set_capacity`` and each step is a probe row (ran or out of memory)."""
+
+    case: str
+    batches: tuple[int, ...]
+    precision: str | None = None
+    capacity: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Run:
+        from batchfit.units import parse_bytes
+
+        head, sep, batches = text.partition("=")
+        head, _, capacity = head.partition("@")
+        case, _, precision = head.partition(":")
+        if not sep or case not in BY_NAME:
+            raise ValueError(f"--runs {text!r}: expected CASE[:PRECISION][@CAPACITY]=B1,B2 with a known case")
+        return cls(case, tuple(int(b) for b in batches.split(",")), precision or None,
+                   parse_bytes(capacity) if capacity else None)  # fmt: skip
+
+    def argv(self) -> list[str]:
+        """The worker's arguments for this run."""
+        spec = f"{self.case}{':' + self.precision if self.precision else ''}"
+        spec += f"@{self.capacity}" if self.capacity else ""
+        return ["--runs", f"{spec}={','.join(map(str, self.batches))}"]
+
+
 # -- a worker: one case in a fresh process -----------------------------------------------------------
 def _relative(estimate: int | None, real: int | None) -> float | None:
     return None if not estimate or not real else (estimate - real) / real
 
 
 def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path | None = None,
-               checkpointing: str | None = None) -> dict[str, Any]:  # fmt: skip
+               checkpointing: str | None = None, empty_weights: bool = False) -> dict[str, Any]:  # fmt: skip
     """Two real steps from a clean allocator: the peaks and NVML's used memory of this process after them.
 
     ``snapshot``: where to write the allocator's history of the two steps (``torch.cuda.memory``'s snapshot,
@@ -341,11 +374,13 @@ def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path 
     torch.cuda.reset_peak_memory_stats()
     model = optimizer = None
     if snapshot is not None:
-        torch.cuda.memory._record_memory_history(max_entries=10_000_000)
+        # Python frames only: C++ frames make the snapshot minutes slower and stream_diff does not read them
+        torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
     out: dict[str, Any] = {"torch": torch.__version__}
     try:
         classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-        model, optimizer = build_for_steps(workload, policy.param_dtype, classes, device="cuda")
+        model, optimizer = build_for_steps(workload, policy.param_dtype, classes, device="cuda",
+                                           empty_weights=empty_weights)  # fmt: skip
         run_workload_steps(workload, model, optimizer, batch, param_dtype=policy.param_dtype,
                            autocast=policy.autocast("cuda"), move=lambda t: t.to("cuda"))  # fmt: skip
         torch.cuda.synchronize()
@@ -358,7 +393,8 @@ def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path 
         if snapshot is not None:
             recorded = torch.cuda.memory._snapshot()
             recorded["recorded_with"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-                                         "total_bytes": torch.cuda.get_device_properties(0).total_memory}  # fmt: skip
+                                         "total_bytes": torch.cuda.get_device_properties(0).total_memory,
+                                         "allowed_bytes": _ALLOWED.get("bytes")}  # fmt: skip
             with gzip.open(snapshot, "wb") as f:
                 pickle.dump(recorded, f, protocol=4)
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -367,6 +403,26 @@ def _real_step(workload: Any, batch: int, policy: Any, gpu: Any, snapshot: Path 
         gc.collect()
         torch.cuda.empty_cache()
     return out
+
+
+_ALLOWED: dict[str, int] = {}
+"""The capacity ``--capacity`` set in this worker (``allowed_memory_maximum``), written into every snapshot."""
+
+
+def set_capacity(capacity: int) -> int:
+    """Cap what this process's caching allocator may reserve at ``capacity`` bytes, as
+    ``torch.cuda.set_per_process_memory_fraction`` does it, and return the exact cap the allocator keeps.
+
+    ``CUDACachingAllocator.cpp`` sets ``allowed_memory_maximum = size_t(fraction * device_total)`` with
+    ``device_total`` from ``cudaMemGetInfo``, and refuses a new segment when reserved + its size would pass
+    it: the same test as running out of device memory, at a capacity chosen here, so that a large GPU
+    behaves near the capacity of a smaller one.
+    """
+    total = torch.cuda.mem_get_info()[1]
+    fraction = min(1.0, capacity / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    _ALLOWED["bytes"] = int(fraction * total)
+    return _ALLOWED["bytes"]
 
 
 def _profiled(device: Any, profile_path: str | None) -> Any:
@@ -392,16 +448,22 @@ def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled:
     return out
 
 
-def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | None = None) -> int:
-    """Run one case and print one JSON object per row (never raises for a row)."""
+def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | None = None, run: Run | None = None,
+           real_only: bool = False) -> int:  # fmt: skip
+    """Run one case and print one JSON object per row (never raises for a row). ``run``: only these probes
+    (at this capacity); ``real_only``: real steps alone, their estimates left to ``--replay``."""
     from batchfit.gpu._cuda import cuda_device
     from batchfit.gpu.calibrate import TorchGpu
 
     gpu = TorchGpu()  # NVML's baseline is read now, before this process has a CUDA context
     case = BY_NAME[name]
+    base: dict[str, Any] = {"case": case.name, "family": case.family, "gpu": torch.cuda.get_device_name(0)}
+    if run is not None and run.capacity is not None:
+        base["capacity"] = set_capacity(run.capacity)
     device = cuda_device()
+    if "capacity" in base:
+        device = device.with_overrides(total_bytes=base["capacity"] + device.context_bytes)
     profiled = _profiled(device, profile_path)
-    base = {"case": case.name, "family": case.family, "gpu": torch.cuda.get_device_name(0)}
     try:
         workload = case.make()
     except Exception as e:  # noqa: BLE001 - a case that cannot be built is an error row
@@ -412,10 +474,13 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
             for batch in batches]  # fmt: skip
     if not quick and case.probes:
         runs += [("probe", case.runs[0][0], batch) for batch in case.probes]
+    if run is not None:
+        kind = "step" if run.capacity is None else "probe"  # a capped step is a probe: ran or out of memory
+        runs = [(kind, run.precision or case.fit or case.runs[0][0], batch) for batch in run.batches]
     for kind, precision, batch in runs:
-        print(json.dumps(_measured_row(kind, case, workload, precision, batch, device, profiled, gpu, folder, base)),
-              flush=True)  # fmt: skip
-    if case.fit and (case.quick_fit or not quick):
+        print(json.dumps(_measured_row(kind, case, workload, precision, batch, None if real_only else device,
+                                       profiled, gpu, folder, base)), flush=True)  # fmt: skip
+    if case.fit and run is None and not real_only and (case.quick_fit or not quick):
         # --quick leaves out the profile's fit: four more traces per case
         row = _fit_row(case, workload, device, None if quick else profiled, base)
         print(json.dumps(row), flush=True)
@@ -428,15 +493,19 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
 
 def _measured_row(kind: str, case: Case, workload: Any, precision: str, batch: int, device: Any, profiled: Any,
                   gpu: Any, folder: Path | None, base: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """A real step at ``batch`` (with its snapshot when ``folder`` is given) beside the estimates of it."""
+    """A real step at ``batch`` (with its snapshot when ``folder`` is given) beside the estimates of it
+    (``device`` None: the real step alone)."""
     from batchfit.precision import policy_for
 
-    policy = policy_for(precision, bf16_supported=device.bf16, device_name=device.name)
+    policy = policy_for(precision, bf16_supported=torch.cuda.is_bf16_supported(), device_name=base["gpu"])
     row: dict[str, Any] = {**base, "kind": kind, "precision": precision, "batch": batch}
     start = time.perf_counter()
-    snapshot = None if folder is None else folder / f"snapshot-{case.name}-{precision}-{batch}.pickle.gz"
-    for part in (partial(_real_step, workload, batch, policy, gpu, snapshot, case.blocks),
-                 partial(_estimates, workload, batch, precision, device, profiled, case.blocks)):  # fmt: skip
+    capped = f"-cap{base['capacity']}" if base.get("capacity") else ""
+    snapshot = None if folder is None else folder / f"snapshot-{case.name}-{precision}-{batch}{capped}.pickle.gz"
+    parts = [partial(_real_step, workload, batch, policy, gpu, snapshot, case.blocks, case.empty_weights)]
+    if device is not None:
+        parts.append(partial(_estimates, workload, batch, precision, device, profiled, case.blocks))
+    for part in parts:
         try:
             row.update(part())
         except Exception as e:  # noqa: BLE001 - recorded, the next part still runs
@@ -488,9 +557,12 @@ def _profile(args: argparse.Namespace, out_dir: Path) -> tuple[str | None, str]:
     return str(path), "calibrated now"
 
 
-def run_case(case: Case, args: argparse.Namespace, profile: str | None) -> list[dict[str, Any]]:
+def run_case(case: Case, args: argparse.Namespace, profile: str | None, run: Run | None = None
+             ) -> list[dict[str, Any]]:  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", case.name]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--real-only"] if args.real_only else []
+    cmd += run.argv() if run is not None else []
     cmd += ["--profile", profile] if profile else []
     cmd += ["--snapshots", args.snapshots] if args.snapshots else []
     try:
@@ -739,6 +811,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snapshots", help="a folder for each real step's allocator snapshot (one file per row)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--replay", nargs="+", help="measured CSVs: estimate their rows again with this code (no GPU)")
+    parser.add_argument("--runs", nargs="+", type=Run.parse, metavar="CASE[:PRECISION][@CAPACITY]=B1,B2",
+                        help="probes of these cases at these batch sizes (with the allocator capped at CAPACITY) "
+                             "instead of the cases' own runs")  # fmt: skip
+    parser.add_argument("--real-only", action="store_true",
+                        help="real steps alone (no estimates, no calibration): estimate them later with --replay")
     args = parser.parse_args(argv)
     if args.replay:
         cases = set(args.cases.split(",")) if args.cases else None
@@ -748,23 +825,25 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_truth: no CUDA GPU is visible here; run it on a machine with one (nothing was measured)")
         return 2
     if args.worker:
-        return worker(args.worker, args.quick, args.profile, args.snapshots)
+        return worker(args.worker, args.quick, args.profile, args.snapshots, (args.runs or [None])[0], args.real_only)
     names = args.cases.split(",") if args.cases else [c.name for c in CASES if c.quick or not args.quick]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         print(f"gpu_truth: unknown case(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
         return 2
+    jobs: list[tuple[str, Run | None]] = [(n, None) for n in names] if args.cases or not args.runs else []
+    jobs += [(r.case, r) for r in args.runs or []]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.snapshots:
         Path(args.snapshots).mkdir(parents=True, exist_ok=True)
-    profile, note = _profile(args, out_dir)
+    profile, note = (None, "none (--real-only)") if args.real_only else _profile(args, out_dir)
     rows: list[dict[str, Any]] = []
     partial_rows = out_dir / "rows.jsonl"  # every case's rows as it ends: a run stopped half-way keeps them
     partial_rows.write_text("")
-    for name in names:
+    for name, run in jobs:
         start = time.perf_counter()
-        done = run_case(BY_NAME[name], args, profile)
+        done = run_case(BY_NAME[name], args, profile, run)
         rows += done
         with partial_rows.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in done)

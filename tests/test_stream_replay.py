@@ -102,6 +102,22 @@ def test_an_out_of_memory_error_gives_the_capacity_and_is_reproduced() -> None:
     assert r.real_peak_reserved_bytes == r.model_peak_reserved_bytes == 50 * MiB
 
 
+def test_a_memory_fraction_cap_recorded_with_the_snapshot_is_the_capacity() -> None:
+    # Under set_per_process_memory_fraction the OOM's device_free is the GPU's free memory, far above the cap
+    stream = snapshot(
+        entry("segment_alloc", A, 30 * MiB), *alloc(A, 30 * MiB),
+        entry("segment_alloc", B, 20 * MiB), *alloc(B, 20 * MiB), *free(A, 30 * MiB),
+        entry("segment_free", A, 30 * MiB), {"action": "oom", "size": 50 * MiB, "device_free": 900 * MiB, "stream": 0},
+    )  # fmt: skip
+    capped = {**stream, "recorded_with": {"torch": "2.11.0", "allowed_bytes": 60 * MiB}}
+    r = replay_snapshot(capped)
+    assert r.exact, r.first_divergence
+    assert (r.capacity_bytes, r.capacity_source, r.model_ooms) == (60 * MiB, "memory fraction", (7,))
+    assert not replay_snapshot(stream).exact  # device_free's 920 MiB would have let the model allocate
+    assert replay_snapshot(capped, capacity_bytes=69 * MiB).capacity_source == "given"
+    assert not replay_snapshot(capped, capacity_bytes=70 * MiB).exact
+
+
 def test_the_model_running_out_where_the_gpu_did_not_is_a_difference() -> None:
     stream = snapshot(entry("segment_alloc", A, 30 * MiB), *alloc(A, 30 * MiB),
                       entry("segment_alloc", B, 20 * MiB), *alloc(B, 20 * MiB))  # fmt: skip

@@ -49,7 +49,7 @@ from __future__ import annotations
 import gzip
 import pickle
 from bisect import bisect_right, insort
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -255,7 +255,9 @@ def replay_snapshot(
         snapshot: the dict of ``torch.cuda.memory._snapshot()`` or a file of ``_dump_snapshot``
             (``.gz`` too), recorded with ``torch.cuda.memory._record_memory_history()``.
         device: the CUDA device whose trace to replay.
-        capacity_bytes: what the allocator could reserve on that GPU (None: read from the stream).
+        capacity_bytes: what the allocator could reserve on that GPU (None: the cap the recording set with
+            ``torch.cuda.set_per_process_memory_fraction``, where ``recorded_with["allowed_bytes"]`` names it,
+            else read from the stream: an OOM's ``device_free`` is the GPU's free memory, not the cap's).
         torch_version: the torch that recorded it, which decides how equal free blocks are ordered
             (None: the snapshot's ``recorded_with["torch"]`` where ``benchmarks/gpu_truth.py`` wrote one,
             else the installed torch).
@@ -268,13 +270,18 @@ def replay_snapshot(
     """
     snap = load_snapshot(snapshot) if isinstance(snapshot, (str, Path)) else snapshot
     events, unsupported = read_events(snap, device)
-    tie_order = tie_order_for(torch_version or (snap.get("recorded_with") or {}).get("torch"))
+    recorded = snap.get("recorded_with") or {}
+    tie_order = tie_order_for(torch_version or recorded.get("torch"))
+    source = "given"
+    if capacity_bytes is None and recorded.get("allowed_bytes"):
+        capacity_bytes, source = int(recorded["allowed_bytes"]), "memory fraction"
     if unsupported is not None:
-        source = "given" if capacity_bytes is not None else "none"
+        source = source if capacity_bytes is not None else "none"
         return StreamReplay(len(events), 0, None, None, _real_peak(events), 0, (), (), 0, 0, capacity_bytes, source,
                             tie_order, unsupported=unsupported)  # fmt: skip
     initial = _initial_state(snap, events, device)
-    return replay_events(events, capacity_bytes=capacity_bytes, tie_order=tie_order, initial=initial)
+    replayed = replay_events(events, capacity_bytes=capacity_bytes, tie_order=tie_order, initial=initial)
+    return replayed if capacity_bytes is None else replace(replayed, capacity_source=source)
 
 
 def replay_events(
