@@ -750,7 +750,7 @@ def _refit(row: dict[str, Any], workloads: dict[str, Any], devices: dict[str, tu
     case = BY_NAME[row["case"]]
     try:
         workload = workloads.setdefault(row["case"], case.make())
-        device = devices[row["gpu"]][0] if row["gpu"] in devices else get_device(row["gpu"])
+        device = devices[f"{row['gpu']}@"][0] if f"{row['gpu']}@" in devices else get_device(row["gpu"])
         row["fit_est_max"] = batchfit.fit(workload, device, precision=row["precision"],
                                           checkpointing=case.blocks).max_batch_size  # fmt: skip
         row.pop("fit_est_max_profile", None)  # a profile of the GPU is not replayed
@@ -775,12 +775,15 @@ def replay_row(old: dict[str, str], profile_path: str | None = None, devices: di
     for key in [k for k in row if k.startswith(("est_", "err_", "context_"))] + ["error"]:
         row[key] = None
     try:
-        if old["gpu"] not in devices:
+        key = f"{old['gpu']}@{old.get('capacity') or ''}"  # a capped row: the GPU with that much to reserve
+        if key not in devices:
             device = get_device(old["gpu"])
-            devices[old["gpu"]] = (device, _profiled(device, profile_path))
+            if old.get("capacity"):
+                device = device.with_overrides(total_bytes=int(old["capacity"]) + device.context_bytes)
+            devices[key] = (device, _profiled(device, profile_path))
         if old["case"] not in workloads:
             workloads[old["case"]] = BY_NAME[old["case"]].make()
-        device, profiled = devices[old["gpu"]]
+        device, profiled = devices[key]
         row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled,
                               BY_NAME[old["case"]].blocks))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - an error row, the others still run
@@ -814,8 +817,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="+", type=Run.parse, metavar="CASE[:PRECISION][@CAPACITY]=B1,B2",
                         help="probes of these cases at these batch sizes (with the allocator capped at CAPACITY) "
                              "instead of the cases' own runs")  # fmt: skip
-    parser.add_argument("--real-only", action="store_true",
-                        help="real steps alone (no estimates, no calibration): estimate them later with --replay")
+    parser.add_argument(
+        "--real-only",
+        action="store_true",
+        help="real steps alone (no estimates, no calibration): estimate them later with --replay",
+    )
     args = parser.parse_args(argv)
     if args.replay:
         cases = set(args.cases.split(",")) if args.cases else None

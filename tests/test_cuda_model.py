@@ -121,6 +121,29 @@ def test_attention_with_dropout_keeps_no_t_by_t_matrix_on_cuda() -> None:
     assert math - flash == (3 * bhtt + 3 * bhtd - b * T * 3 * E - bht) * F32  # what the correction removes
 
 
+class BiasedAttention(Attention):
+    """Attention with a learned additive bias (T5's relative positions): a mask that needs a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__(0.1)
+        self.bias = nn.Parameter(torch.zeros(1, H, T, T))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, HEAD).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, dropout_p=self.dropout)
+        return self.proj(y.transpose(1, 2).reshape(b, t, E))
+
+
+def test_dropout_inside_cpp_composites_keeps_a_one_byte_mask_on_cuda() -> None:
+    # A mask that needs a gradient sends attention down the math path on both devices; its dropout of the
+    # B*H*T*T probabilities is aten::dropout called from C++ (not F.dropout): a bool mask on CUDA.
+    wl = Workload(model=BiasedAttention, batch=lambda b: torch.randn(b, T, E), loss=_sum_loss)
+    b = 2
+    bhtt = b * H * T * T
+    assert saved_bytes(wl, b, "cpu") - saved_bytes(wl, b, "A100-40GB") == bhtt * (F32 - BOOL)
+
+
 # -- 3. autocast --------------------------------------------------------------------------------
 class NormSoftmax(nn.Module):
     def __init__(self) -> None:

@@ -21,6 +21,7 @@ import pytest
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 H200 = RESULTS / "gpu_truth-NVIDIA_H200-2026-11-26.csv"
 H100 = RESULTS / "gpu_truth-NVIDIA_H100_80GB_HBM3-2026-11-26.csv"
+STREAMS = RESULTS / "gpu_truth-NVIDIA_H200-streams-2026-11-26.csv"  # with snapshots-H200-2026-11-26/
 SLACK = 0.5  # percentage points an error may move before the test calls it grown
 
 # (file, case, precision, batch): today's errors in %, allocated and reserved
@@ -36,7 +37,9 @@ ERRORS = {
     (H200, "vgg11-bn", "fp32", 16): (-0.35, -4.55),
     (H100, "llama31-8b-lora-qv-ckpt-s2048", "bf16-true", 8): (0.09, 0.07),
     (H100, "qwen25-7b-lora-all-ckpt-s4096", "bf16-true", 4): (0.40, 3.35),
-    (H100, "t5-small-adamw", "fp32", 32): (10.74, 10.95),
+    (H100, "t5-small-adamw", "fp32", 32): (0.00, 0.41),
+    (STREAMS, "t5-small-adamw", "fp32", 32): (0.00, 0.41),
+    (STREAMS, "hf-bert-large", "fp32", 170): (-0.11, -0.00),
     (H100, "tv-resnet50-sgd", "fp32", 64): (-0.43, -8.57),
     (H100, "tv-resnet50-sgd-bf16", "bf16", 128): (-0.46, -11.95),
     (H100, "tv-vgg16-adam", "fp32", 32): (-0.37, -4.38),
@@ -102,6 +105,30 @@ def test_a_probe_that_ran_out_of_memory_is_never_estimated_to_fit(truth: ModuleT
     else:  # a conservative answer leaves a batch unused; the known ones are counted
         batch = probe["batch"]
         assert probe["est_fits"] or (probe["case"], batch) in CONSERVATIVE_PROBES, batch
+
+
+CAPPED = [(r["case"], int(r["batch"]), r["result"]) for r in _measured(STREAMS, "probe")
+          if r["case"] in ("gpt2-small", "hf-bert-large", "llama-gqa")]  # fmt: skip
+
+
+def test_the_capped_probes_are_the_ones_measured() -> None:
+    """On an H200 with the allocator capped (16, 24 and 8 GiB): the largest batch that ran and the next."""
+    assert CAPPED == [("gpt2-small", 14, "ran"), ("gpt2-small", 15, "ran"), ("hf-bert-large", 24, "ran"),
+                      ("hf-bert-large", 25, "ran"), ("llama-gqa", 12, "ran"), ("llama-gqa", 13, "out of memory"),
+                      ("gpt2-small", 16, "out of memory"), ("hf-bert-large", 26, "out of memory")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["gpt2-small", "hf-bert-large", "llama-gqa"])
+def test_at_a_capped_capacity_the_estimate_fits_what_ran_and_not_what_ran_out(truth: ModuleType, case: str) -> None:
+    """The largest batch that ran is estimated to fit and the next one not: the allocator model at the capacity
+    decides as the GPU did (``fit`` then keeps its known error free on top, so it may answer one less)."""
+    rows = [r for r in _measured(STREAMS, "probe") if r["case"] == case]
+    largest = max(int(r["batch"]) for r in rows if r["result"] == "ran")
+    for row in rows:
+        if int(row["batch"]) in (largest, largest + 1):
+            replayed = truth.replay_row(row)
+            assert replayed["error"] is None, replayed["error"]
+            assert replayed["est_fits"] is (row["result"] == "ran"), row["batch"]
 
 
 FAMILY = {"lstm-bi": "recurrent", "lstm-lm-adam": "recurrent", "cnn-resnet18": "convolutional",

@@ -8,7 +8,12 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
 1. Dropout. On the CPU, ``F.dropout`` is composite: it draws a mask in the *input's dtype* and
    multiplies (``aten/src/ATen/native/Dropout.cpp``, ``_dropout_impl``), so autograd keeps a 4-byte
    mask per fp32 element. On CUDA it calls the fused ``native_dropout`` whose mask is ``bool`` (1 byte,
-   ``is_fused_kernel_acceptable``). We route dropout to ``native_dropout``.
+   ``is_fused_kernel_acceptable``). We route dropout to ``native_dropout``: ``F.dropout`` and its kin in
+   Python, and ``aten::dropout`` itself in the dispatcher (a kernel at AutogradCPU), which is what C++
+   callers reach. One such caller is the math path of ``scaled_dot_product_attention``, which CUDA takes
+   for a mask that needs a gradient (T5's learned relative-position bias): its dropout of the B*H*T*T
+   probabilities keeps a 1-byte mask on CUDA (T5-small's step was estimated +10.7% allocated on an
+   H200 with a 4-byte one).
 2. Attention. ``scaled_dot_product_attention`` on the CPU falls back to the math path whenever there
    is dropout, which materialises the B*H*T*T attention matrix (and its dropout mask) for backward.
    CUDA's flash / memory-efficient kernels keep only the output and a float32 log-sum-exp of B*H*T,
@@ -236,6 +241,26 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
     return scaled_dot_product_attention
 
 
+def _fused_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as CUDA runs it (``Dropout.cpp``: ``native_dropout`` when ``is_fused_kernel_acceptable``)."""
+    if train and 0.0 < p < 1.0 and input.numel() > 0:
+        return torch.native_dropout(input, p, train)[0]
+    return _composite_dropout(input, p, train)
+
+
+def _composite_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as the dispatcher runs it without the override: its C++ composite kernel (not
+    ``OpOverload.decompose``, which prefers torch's Python decomposition, a ``native_dropout`` too)."""
+    op = torch.ops.aten.dropout.default
+    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, input, p, train)
+
+
+def _register_fused_dropout() -> None:
+    from . import overrides
+
+    overrides.register("cuda dropout", "dropout", "AutogradCPU", _fused_dropout, _composite_dropout)
+
+
 @contextlib.contextmanager
 def cuda_kernel_routing() -> Iterator[None]:
     """Route dropout and attention to kernels whose saved tensors match CUDA's (NOTE, items 1-2).
@@ -245,12 +270,16 @@ def cuda_kernel_routing() -> Iterator[None]:
     take the CUDA-like path. Code that bound these functions by name at import time keeps the CPU
     path (a limitation; all of torch.nn and transformers look them up on the module).
     """
+    from . import overrides
+
+    _register_fused_dropout()
     saved = {name: getattr(F, name) for name in (*_DROPOUT_NAMES, "scaled_dot_product_attention")}
     try:
         for name in _DROPOUT_NAMES:
             setattr(F, name, _dropout_like_cuda(saved[name]))
         F.scaled_dot_product_attention = _sdpa_like_cuda(saved["scaled_dot_product_attention"])
-        yield
+        with overrides.enabled("cuda dropout"):
+            yield
     finally:
         for name, fn in saved.items():
             setattr(F, name, fn)

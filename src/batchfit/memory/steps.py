@@ -149,7 +149,7 @@ def build_for_steps(
 
     if empty_weights and device is None:
         raise ValueError("empty_weights needs a device to put the storage on")
-    with default_dtype(param_dtype), (torch.device("meta") if empty_weights else contextlib.nullcontext()):
+    with default_dtype(param_dtype), torch.device("meta") if empty_weights else contextlib.nullcontext():
         model = workload.build_model()
     if empty_weights:
         model = model.to_empty(device=device)
