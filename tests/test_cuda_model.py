@@ -350,3 +350,36 @@ def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(
     new = NewLibrary()
     _impl(new, "_grouped_mm", lambda *a: None, "Meta")
     assert new.kernels == [("_grouped_mm", "Meta", True)]
+
+
+# -- 9. reduction staging ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("shape", "dims", "dtype", "staging", "semaphores"),
+    [
+        # measured on an H200 (132 multiprocessors): benchmarks/results/snapshots-H200-2026-11-26, the bias
+        # gradients of the mlp preset's 4096-wide layers and of ViT-base's fc1 and fc2 (32 x 197 tokens)
+        ((4096, 4096), [0], torch.float32, 128 * 2**20, 128),
+        ((32, 197, 3072), [0, 1], torch.bfloat16, 132 * 2**20, 96),
+        ((6304, 768), [0], torch.bfloat16, 38_928_384, 24),
+        ((4096, 4096), [1], torch.float32, 0, 0),  # along the rows: each block reduces its own outputs
+        ((64, 1000), [0], torch.float32, 0, 0),  # too few inputs per output to split them across blocks
+    ],
+)
+def test_a_cuda_reduction_stages_partial_sums_when_blocks_split_an_output(shape, dims, dtype, staging,
+                                                                          semaphores) -> None:  # fmt: skip
+    from batchfit.memory.cuda_reduce import staging_bytes
+
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    h200 = get_device("H200")
+    assert staging_bytes(torch.ops.aten.sum.dim_IntList, (x, dims, False), {}, h200.multiprocessors, 2048) == (
+        staging, semaphores)  # fmt: skip
+
+
+def test_a_bias_gradient_takes_the_staging_buffer_on_cuda_only() -> None:
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).sum()  # a gradient with a value per element (a sum's is one broadcast value)
+
+    wl = Workload(model=lambda: nn.Linear(1024, 4096), batch=lambda b: torch.randn(b, 1024), loss=loss)
+    staged = {dev: [t.nbytes[s] for s in t.nbytes if t.op.get(s) == "CUDA reduction staging"]
+              for dev in ("H200", "cpu") for t in [trace(wl, 4096, dev)[0]]}  # fmt: skip
+    assert staged == {"H200": [128 * 2**20] * 2, "cpu": []}  # one per step's backward

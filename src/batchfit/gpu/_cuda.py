@@ -7,6 +7,7 @@ batchfit touches the GPU for fitting.
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,10 +22,13 @@ def cuda_device(cuda: Any = torch.cuda) -> Device:
         raise ConfigError("no CUDA GPU is visible; use a catalog name (--device A100-40GB) or a capacity (24GiB)")
     props = cuda.get_device_properties(cuda.current_device())
     name = str(props.name).lower()
+    sms = int(getattr(props, "multi_processor_count", 0) or 0)
     for dev in catalog():
         if any(alias.lower() == name for alias in (dev.name, *dev.aliases)):
-            return dev.with_overrides(total_bytes=int(props.total_memory))
-    return generic_device(f"{int(props.total_memory)}B")
+            dev = dev.with_overrides(total_bytes=int(props.total_memory))
+            return replace(dev, multiprocessors=sms) if sms else dev
+    dev = generic_device(f"{int(props.total_memory)}B")
+    return replace(dev, multiprocessors=sms) if sms else dev
 
 
 def cuda_step_fits(

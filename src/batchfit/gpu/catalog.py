@@ -72,6 +72,16 @@ GPUS_PER_NODE = 8
 parallelism stays inside one, its collectives being in every layer (``--gpus-per-node`` to change)."""
 DEFAULT_ARCH = "Ampere"
 DEFAULT_COMPUTE_CAPABILITY = (8, 0)
+DEFAULT_MULTIPROCESSORS = 108
+"""The multiprocessors of a GPU not in the catalog: an A100's, the same generation as its other defaults."""
+THREADS_PER_MULTIPROCESSOR = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}
+"""``maxThreadsPerMultiProcessor`` by compute capability where it is not 2048 (CUDA C++ Programming Guide,
+"Technical Specifications per Compute Capability")."""
+
+
+def threads_per_multiprocessor(compute_capability: tuple[int, int]) -> int:
+    """The most resident threads on one multiprocessor of a GPU of this compute capability."""
+    return THREADS_PER_MULTIPROCESSOR.get(compute_capability, 2048)
 
 
 def cublas_workspace_for(compute_capability: tuple[int, int]) -> int:
@@ -139,6 +149,9 @@ class Device:
     conv_workspace: ConvWorkspace | None = None
     conv_workspace_benchmark: ConvWorkspace | None = None
     cudnn_benchmark: bool = False
+    multiprocessors: int = 0
+    """Streaming multiprocessors (``multi_processor_count``): CUDA reductions size their staging by it
+    (``memory/cuda_reduce.py``); 0 for the CPU."""
 
     @property
     def exact(self) -> bool:
@@ -221,6 +234,7 @@ def _gpu(
     cc: tuple[int, int],
     bandwidth_gbps: float,
     bf16_tflops: float,
+    multiprocessors: int,
     aliases: tuple[str, ...] = (),
 ) -> Device:
     """Build a catalog entry; bf16, context and workspace follow from arch and cc so they stay consistent."""
@@ -236,47 +250,48 @@ def _gpu(
         memory_bandwidth_gbps=bandwidth_gbps,
         bf16_tflops=bf16_tflops,
         aliases=aliases,
+        multiprocessors=multiprocessors,
     )
 
 
 # total_bytes: deviceQuery "Total amount of global memory" bytes, or torch's printed total_memory (MiB,
 # rounded down) where no deviceQuery was found. Bandwidth and tensor peaks: NVIDIA datasheets/whitepapers
-# (dense, no sparsity; GeForce figures with fp32 accumulate).
+# (dense, no sparsity; GeForce figures with fp32 accumulate). Multiprocessors: the same documents (SXM parts).
 _CATALOG: tuple[Device, ...] = (
     # deviceQuery, CUDA 9.0 and 10.2: 16160 MBytes (16945512448 bytes); cudaMemGetInfo total agrees.
-    _gpu("V100-16GB", 16945512448, "Volta", (7, 0), 900, 125, ("Tesla V100-SXM2-16GB", "V100-SXM2-16GB")),
+    _gpu("V100-16GB", 16945512448, "Volta", (7, 0), 900, 125, 80, ("Tesla V100-SXM2-16GB", "V100-SXM2-16GB")),
     # deviceQuery, driver CUDA 12.9: 32494 MBytes (34072559616 bytes); 32510 MiB with 11.x drivers.
-    _gpu("V100-32GB", 34072559616, "Volta", (7, 0), 900, 125, ("Tesla V100-SXM2-32GB", "V100-SXM2-32GB")),
+    _gpu("V100-32GB", 34072559616, "Volta", (7, 0), 900, 125, 80, ("Tesla V100-SXM2-32GB", "V100-SXM2-32GB")),
     # deviceQuery, driver CUDA 12.5: 14918 MBytes (15642329088 bytes); 15110 MiB with 11.x drivers.
-    _gpu("T4", 15642329088, "Turing", (7, 5), 320, 65, ("Tesla T4",)),
+    _gpu("T4", 15642329088, "Turing", (7, 5), 320, 65, 40, ("Tesla T4",)),
     # torch 2.15 (cu130) get_device_properties: total_memory=22587MB; nvidia-smi Total 23028 MiB.
     # AWS publishes no tensor peak; ~70 fp16 TFLOPS per baseten.co "NVIDIA A10 vs A10G".
-    _gpu("A10G", 22587 * MiB, "Ampere", (8, 6), 600, 70, ("NVIDIA A10G",)),
+    _gpu("A10G", 22587 * MiB, "Ampere", (8, 6), 600, 70, 80, ("NVIDIA A10G",)),
     # deviceQuery, driver CUDA 12.2: 22491 MBytes (23583784960 bytes) (bottlerocket-kernel-kit PR #139).
-    _gpu("L4", 23583784960, "Ada", (8, 9), 300, 121, ("NVIDIA L4",)),
+    _gpu("L4", 23583784960, "Ada", (8, 9), 300, 121, 58, ("NVIDIA L4",)),
     # deviceQuery (cuda-device-query crate README), driver CUDA 12.4: 45373 MBytes (47576711168 bytes).
-    _gpu("L40S", 47576711168, "Ada", (8, 9), 864, 362, ("NVIDIA L40S",)),
+    _gpu("L40S", 47576711168, "Ada", (8, 9), 864, 362, 142, ("NVIDIA L40S",)),
     # deviceQuery, driver CUDA 12.2: 24238 MBytes (25414860800 bytes); 24268 MiB with an 11.8 driver.
-    _gpu("RTX-3090", 25414860800, "Ampere", (8, 6), 936, 71, ("3090", "NVIDIA GeForce RTX 3090")),
+    _gpu("RTX-3090", 25414860800, "Ampere", (8, 6), 936, 71, 82, ("3090", "NVIDIA GeForce RTX 3090")),
     # deviceQuery, driver CUDA 13.0: 24081 MBytes (25250627584 bytes); 24210 MiB with 12.4
     # (thamada/nvidia-smi gls/RTX4090_deviceQuery.py), 24564 MiB with 12.1.
-    _gpu("RTX-4090", 25250627584, "Ada", (8, 9), 1008, 165, ("4090", "NVIDIA GeForce RTX 4090")),
+    _gpu("RTX-4090", 25250627584, "Ada", (8, 9), 1008, 165, 128, ("4090", "NVIDIA GeForce RTX 4090")),
     # deviceQuery, driver CUDA 12.7: 48790 MBytes (51160023040 bytes).
-    _gpu("A6000", 51160023040, "Ampere", (8, 6), 768, 155, ("RTX A6000", "NVIDIA RTX A6000")),
+    _gpu("A6000", 51160023040, "Ampere", (8, 6), 768, 155, 84, ("RTX A6000", "NVIDIA RTX A6000")),
     # deviceQuery, driver CUDA 12.2: 40339 MBytes (42298834944 bytes) (bottlerocket PR #3873);
     # nvidia-smi Total 40960 MiB; older drivers: total_memory=40536MB.
-    _gpu("A100-40GB", 42298834944, "Ampere", (8, 0), 1555, 312, ("A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB")),
+    _gpu("A100-40GB", 42298834944, "Ampere", (8, 0), 1555, 312, 108, ("A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB")),
     # deviceQuery, driver CUDA 12.5: 81158 MBytes (85100068864 bytes) (thamada/nvidia-smi
     # nvsim/A100SXMx4_deviceQuery.py); 81051 MiB with 12.2; nvidia-smi Total 81920 MiB.
-    _gpu("A100-80GB", 85100068864, "Ampere", (8, 0), 2039, 312, ("A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB")),
+    _gpu("A100-80GB", 85100068864, "Ampere", (8, 0), 2039, 312, 108, ("A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB")),
     # deviceQuery (NGC cuda-sample container), driver CUDA 13.0: 81079 MBytes (85017755648 bytes); 81106
     # with 12.7 (thamada/nvidia-smi nvsim/H100SXMx8_deviceQuery.py); nvidia-smi Total 81559 MiB.
-    _gpu("H100-80GB", 85017755648, "Hopper", (9, 0), 3350, 989, ("H100", "NVIDIA H100 80GB HBM3")),
+    _gpu("H100-80GB", 85017755648, "Hopper", (9, 0), 3350, 989, 132, ("H100", "NVIDIA H100 80GB HBM3")),
     # torch get_device_properties(0).total_memory on an H200 (driver 580, CUDA 13.0, measured by batchfit
     # calibrate, benchmarks/results/profile-NVIDIA_H200-*.json): 150109880320 bytes; nvidia-smi 143771 MiB.
-    _gpu("H200", 150109880320, "Hopper", (9, 0), 4800, 989, ("H200-141GB", "NVIDIA H200")),
+    _gpu("H200", 150109880320, "Hopper", (9, 0), 4800, 989, 132, ("H200-141GB", "NVIDIA H200")),
     # torch get_device_properties: total_memory=182631MB (182642MB on another host).
-    _gpu("B200", 182631 * MiB, "Blackwell", (10, 0), 8000, 2250, ("NVIDIA B200",)),
+    _gpu("B200", 182631 * MiB, "Blackwell", (10, 0), 8000, 2250, 148, ("NVIDIA B200",)),
 )
 
 CPU = Device(
@@ -349,6 +364,7 @@ def generic_device(capacity: str) -> Device:
         bf16=True,
         context_bytes=context,
         cublas_workspace_bytes=cublas_workspace_for(DEFAULT_COMPUTE_CAPABILITY),
+        multiprocessors=DEFAULT_MULTIPROCESSORS,
     )
 
 
