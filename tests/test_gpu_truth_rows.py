@@ -38,8 +38,6 @@ ERRORS = {
     (H100, "llama31-8b-lora-qv-ckpt-s2048", "bf16-true", 8): (0.09, 0.07),
     (H100, "qwen25-7b-lora-all-ckpt-s4096", "bf16-true", 4): (0.40, 3.35),
     (H100, "t5-small-adamw", "fp32", 32): (0.00, 0.41),
-    (STREAMS, "t5-small-adamw", "fp32", 32): (0.00, 0.41),
-    (STREAMS, "hf-bert-large", "fp32", 170): (-0.01, -0.00),
     (STREAMS, "mlp", "fp32", 4096): (-0.10, -0.20),
     (H100, "tv-resnet50-sgd", "fp32", 64): (-0.43, -8.57),
     (H100, "tv-resnet50-sgd-bf16", "bf16", 128): (-0.46, -11.95),
