@@ -19,7 +19,7 @@ the start of backward, where the peak is, they are on top of everything kept.
 The geometry follows ``TensorIterator``: reduced dimensions first, each group ordered by stride (fastest
 first) and coalesced where contiguous; then ``setReduceConfig``'s choices, which depend on the GPU's
 multiprocessor count and threads per multiprocessor (``Device.multiprocessors``,
-``Device.max_threads_per_multiprocessor``). Modelled: ``sum.dim_IntList`` and ``mean.dim``, for inputs that
+``gpu.catalog.threads_per_multiprocessor``). Modelled: ``sum.dim_IntList`` and ``mean.dim``, for inputs that
 ``TensorIterator`` indexes with 32 bits (larger ones are split into sub-iterators, not modelled).
 """
 
@@ -66,7 +66,8 @@ def staging_bytes(func: Any, args: tuple, kwargs: dict, multiprocessors: int, th
     if geometry is None:
         return 0, 0
     shape, strides, num_reduce = geometry
-    acc = 8 if torch.float64 in (x.dtype, dtype) else 4  # arg_t: the accumulate type (float for half/bf16)
+    out = dtype or (x.dtype if x.is_floating_point() else torch.int64)
+    acc = 4 if out in (torch.float32, torch.float16, torch.bfloat16) else 8  # arg_t: float for half/bf16
     return _config(shape, strides, num_reduce, x.element_size(), acc, x.storage_offset(), multiprocessors,
                    threads_per_mp)  # fmt: skip
 
@@ -78,11 +79,8 @@ def _iterator(x: torch.Tensor, dims: Any) -> tuple[list[int], list[int], int] | 
     reduced = set(range(nd)) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else {
         d % nd for d in ([dims] if isinstance(dims, int) else dims)}  # fmt: skip
     item = x.element_size()
-    if (
-        max(((s - 1) * abs(st) for s, st in zip(x.shape, x.stride(), strict=True) if s > 1), default=0) * item
-        >= (_INT32_MAX)
-        or x.numel() > _INT32_MAX
-    ):
+    span = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.stride(), strict=True)) * item
+    if span > _INT32_MAX or x.numel() > _INT32_MAX:  # can_use_32bit_indexing
         return None
     kept = [d for d in range(nd) if x.shape[d] != 1]
     order = sorted(kept, key=lambda d: (d not in reduced, x.stride(d), -d))
