@@ -158,3 +158,13 @@ def test_a_global_batch_larger_than_the_simulated_gpu_runs_when_its_micro_batche
     assert stats.peak_allocated_bytes >= 4 * MiB  # one 4-item micro-batch on the device at a time
     for p, q in zip(model.parameters(), reference.parameters()):
         assert ((p - q).abs().max() / q.abs().max()).item() <= 1e-12
+
+
+def test_scratch_a_kernel_holds_together_is_freed_on_return() -> None:
+    # The CUDA kernel model keeps a kernel's buffers alive together and frees them when it returns (bitsandbytes'
+    # dequantised weights): the simulated device must take and give back the same blocks.
+    dev = SimulatedDevice("1GiB")
+    ids = [dev.add_scratch(n, "scratch", transient=False) for n in (3 * 2**20, 512)]
+    assert dev.allocator.allocated_bytes == 3 * 2**20 + 512
+    dev.free_scratch(reversed(ids))
+    assert dev.allocator.allocated_bytes == 0 and dev.allocator.peak_allocated_bytes == 3 * 2**20 + 512

@@ -149,6 +149,11 @@ class SimulatedDevice:
             self._handles[self._next_scratch] = handle
         return self._next_scratch
 
+    def free_scratch(self, ids: Iterable[int]) -> None:
+        """Free scratch ``add_scratch`` kept (buffers a kernel holds together and frees on return)."""
+        for i in ids:
+            self.allocator.free(self._handles.pop(i))
+
     def track(self, *objects: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> None:
         """Put existing tensors (a model's parameters and buffers, say) on the simulated device."""
         for obj in objects:

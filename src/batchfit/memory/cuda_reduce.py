@@ -21,6 +21,11 @@ first) and coalesced where contiguous; then ``setReduceConfig``'s choices, which
 multiprocessor count and threads per multiprocessor (``Device.multiprocessors``,
 ``gpu.catalog.threads_per_multiprocessor``). Modelled: ``sum.dim_IntList`` and ``mean.dim``, for inputs that
 ``TensorIterator`` indexes with 32 bits (larger ones are split into sub-iterators, not modelled).
+
+Not in the trace yet (``memory/cuda.py``'s limitations): the size is not linear in the batch size (nothing
+below a threshold of inputs per output, then ``ctas_per_output`` bounded by the multiprocessors, then growing
+again), while ``fit`` extends every storage along a line through two small batches; the line has to carry
+the reduction's geometry before the buffer can join the estimate without making fit and estimate disagree.
 """
 
 from __future__ import annotations
