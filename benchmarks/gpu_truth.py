@@ -425,6 +425,12 @@ def set_capacity(capacity: int) -> int:
     return _ALLOWED["bytes"]
 
 
+def _capped(device: Any, capacity: int | str | None) -> Any:
+    """``device`` with ``capacity`` bytes for the caching allocator (a row run under ``set_capacity``: the
+    context stays beside the cap), else as it is."""
+    return device.with_overrides(total_bytes=int(capacity) + device.context_bytes) if capacity else device
+
+
 def _profiled(device: Any, profile_path: str | None) -> Any:
     """``device`` with the device profile at ``profile_path`` applied (None without a profile)."""
     if not profile_path:
@@ -460,9 +466,7 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
     base: dict[str, Any] = {"case": case.name, "family": case.family, "gpu": torch.cuda.get_device_name(0)}
     if run is not None and run.capacity is not None:
         base["capacity"] = set_capacity(run.capacity)
-    device = cuda_device()
-    if "capacity" in base:
-        device = device.with_overrides(total_bytes=base["capacity"] + device.context_bytes)
+    device = _capped(cuda_device(), base.get("capacity"))
     profiled = _profiled(device, profile_path)
     try:
         workload = case.make()
@@ -732,7 +736,7 @@ def replay(path: Path, profile_path: str | None, cases: set[str] | None = None, 
     cases' rows; ``refit``: the fit rows' answers made again too (else as measured)."""
     with path.open(newline="") as f:
         measured = [r for r in csv.DictReader(f) if cases is None or r["case"] in cases]
-    devices: dict[str, tuple[Any, Any]] = {}  # per GPU named: the catalog's device and the profiled one
+    devices: dict[tuple[str, Any], tuple[Any, Any]] = {}  # per GPU and cap: the catalog's device, the profiled one
     workloads: dict[str, Any] = {}  # per case: one workload for all its rows, as a worker has
     rows = [replay_row(old, profile_path, devices, workloads) for old in measured]
     if refit:
@@ -742,15 +746,14 @@ def replay(path: Path, profile_path: str | None, cases: set[str] | None = None, 
     return rows
 
 
-def _refit(row: dict[str, Any], workloads: dict[str, Any], devices: dict[str, tuple[Any, Any]]) -> None:
+def _refit(row: dict[str, Any], workloads: dict[str, Any], devices: dict[tuple[str, Any], tuple[Any, Any]]) -> None:
     """A measured fit row's estimated maximum made again now (the real maximum kept)."""
     import batchfit
-    from batchfit.gpu.catalog import get_device
 
     case = BY_NAME[row["case"]]
     try:
         workload = workloads.setdefault(row["case"], case.make())
-        device = devices[f"{row['gpu']}@"][0] if f"{row['gpu']}@" in devices else get_device(row["gpu"])
+        device = _replay_device(row["gpu"], row.get("capacity"), None, devices)[0]
         row["fit_est_max"] = batchfit.fit(workload, device, precision=row["precision"],
                                           checkpointing=case.blocks).max_batch_size  # fmt: skip
         row.pop("fit_est_max_profile", None)  # a profile of the GPU is not replayed
@@ -759,13 +762,24 @@ def _refit(row: dict[str, Any], workloads: dict[str, Any], devices: dict[str, tu
         row["error"] = f"{type(e).__name__}: {e}"[:300]
 
 
-def replay_row(old: dict[str, str], profile_path: str | None = None, devices: dict[str, tuple[Any, Any]] | None = None,
-               workloads: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def _replay_device(gpu: str, capacity: Any, profile_path: str | None, devices: dict[tuple[str, Any], tuple[Any, Any]]
+                   ) -> tuple[Any, Any]:  # fmt: skip
+    """The catalog's device a row names (capped as it ran) and its profiled twin, made once per GPU and cap."""
+    from batchfit.gpu.catalog import get_device
+
+    key = (gpu, capacity or None)
+    if key not in devices:
+        device = _capped(get_device(gpu), capacity)
+        devices[key] = (device, _profiled(device, profile_path))
+    return devices[key]
+
+
+def replay_row(old: dict[str, str], profile_path: str | None = None,
+               devices: dict[tuple[str, Any], tuple[Any, Any]] | None = None, workloads: dict[str, Any] | None = None
+               ) -> dict[str, Any]:  # fmt: skip
     """One row of a measured CSV (as ``csv.DictReader`` reads it) with its estimates made again now; rows
     that are neither a measured step nor a probe of a known case come back as they were. ``devices`` and
     ``workloads`` keep what was built for the rows before."""
-    from batchfit.gpu.catalog import get_device
-
     devices = {} if devices is None else devices
     workloads = {} if workloads is None else workloads
     row: dict[str, Any] = {k: _number(v) for k, v in old.items() if k in FIELDS}
@@ -775,15 +789,9 @@ def replay_row(old: dict[str, str], profile_path: str | None = None, devices: di
     for key in [k for k in row if k.startswith(("est_", "err_", "context_"))] + ["error"]:
         row[key] = None
     try:
-        key = f"{old['gpu']}@{old.get('capacity') or ''}"  # a capped row: the GPU with that much to reserve
-        if key not in devices:
-            device = get_device(old["gpu"])
-            if old.get("capacity"):
-                device = device.with_overrides(total_bytes=int(old["capacity"]) + device.context_bytes)
-            devices[key] = (device, _profiled(device, profile_path))
+        device, profiled = _replay_device(old["gpu"], old.get("capacity"), profile_path, devices)
         if old["case"] not in workloads:
             workloads[old["case"]] = BY_NAME[old["case"]].make()
-        device, profiled = devices[key]
         row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled,
                               BY_NAME[old["case"]].blocks))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - an error row, the others still run

@@ -90,6 +90,7 @@ def train(
     from ..advice.batchnorm import BatchNormWarning, batchnorm_advice
     from ..batching import rank_shares
     from ..memory.steps import default_dtype
+    from ..precision import policy_for
     from ..sources import load
     from ..train.checkpoint import load_checkpoint, model_and_optimizer_states
     from ..train.distributed import shutdown
@@ -112,8 +113,7 @@ def train(
         raise ConfigError(f"{preset!r} has no synthetic items (Workload.items); batchfit train needs them")
     place = _join_process_group(device, global_batch_size, tp)
     trainer_device, sim = _device(device, precision)
-    if precision.lower() in ("bf16-true", "bf16-true-autocast"):
-        model_dtype = torch.bfloat16
+    model_dtype = policy_for(precision).param_dtype or model_dtype  # the precisions that build weights in bf16
     torch.manual_seed(seed)
     with default_dtype(model_dtype):
         model = workload.build_model()
