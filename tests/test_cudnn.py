@@ -102,6 +102,34 @@ def test_the_estimate_reports_the_largest_workspace_and_counts_it_in_the_peak() 
     assert est.peak_allocated_bytes > without.peak_allocated_bytes
 
 
+# -- 4a: pointwise convolutions are one GEMM per image ------------------------------------------------
+def test_a_pointwise_convolution_takes_no_workspace_but_for_its_weights_gradient() -> None:
+    # conv1 as above, then a 1x1 8->8: x (2,8,16,16) 16384 B, w 256 B, y 16384 B.
+    wl = _workload(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.Conv2d(8, 8, 1, bias=False), shape=(4, 16, 16))
+    pointwise = 16384 + 256 + 16384
+    t = _trace(wl)
+    assert _conv_scratch(t, "forward") == [(FORWARD, CONV1)]
+    assert _conv_scratch(t, "backward") == [(BACKWARD_FILTER, pointwise), (BACKWARD_FILTER, CONV1)]
+
+
+def test_only_a_plain_1x1_convolution_counts_as_pointwise() -> None:
+    x, w = _meta(8, 16, 32, 32), _meta(32, 16, 1, 1)
+    operands = (8 * 16 * 32 * 32 + 32 * 16 + 8 * 32 * 32 * 32) * F32
+    assert _forward(x, w) == [cudnn.ConvCall(FORWARD, 0)]
+    assert _forward(x, _meta(16, 16, 1, 1)) == [cudnn.ConvCall(FORWARD, 0)]
+    strided = (8 * 16 * 32 * 32 + 32 * 16 + 8 * 32 * 16 * 16) * F32
+    assert _forward(x, w, stride=2) == [cudnn.ConvCall(FORWARD, strided)]  # a strided gather: not one GEMM
+    padded = (8 * 16 * 32 * 32 + 32 * 16 + 8 * 32 * 34 * 34) * F32
+    assert _forward(x, w, padding=1) == [cudnn.ConvCall(FORWARD, padded)]
+    grouped = (8 * 16 * 32 * 32 + 32 * 8 + 8 * 32 * 32 * 32) * F32
+    assert _forward(x, _meta(32, 8, 1, 1), groups=2) == [cudnn.ConvCall(FORWARD, grouped)]
+    assert _forward(_meta(8, 16, 32, 32, channels_last=True), w) == [cudnn.ConvCall(FORWARD, operands)]
+    assert _forward(x, w, flags=CudnnFlags(benchmark=True)) == [
+        cudnn.ConvCall(FORWARD, cudnn.workspace_bytes(FORWARD, operands, HEUR))
+    ]  # the ratios passed in: benchmark mode times every engine, and the fastest may transpose
+    assert _forward(_meta(8, 16, 100), _meta(32, 16, 1)) == [cudnn.ConvCall(FORWARD, 0)]  # 1-d as well
+
+
 # -- transposed convolutions ------------------------------------------------------------------------
 def test_a_transposed_convolution_runs_the_backward_data_engine_forward() -> None:
     # conv (2,4,8,8) -> convT 4->8, kernel 2, stride 2: x 2048 B, w (4,8,2,2) 512 B, y (2,8,16,16) 16384 B.

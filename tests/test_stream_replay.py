@@ -319,3 +319,33 @@ def test_the_stream_diff_of_a_step_against_its_own_trace_is_empty(tmp_path: Path
     out = capsys.readouterr().out
     assert "mlp fp32 batch 512 on NVIDIA H200" in out and "0 stretches differ" in out
     assert "only on the GPU: nothing" in out and "only in the trace: nothing" in out
+
+
+def test_the_gpus_own_workspace_sizes_are_found_for_each_traced_workspace() -> None:
+    """``stream_diff.real_workspaces``: each of the trace's cuDNN workspaces gets the size the GPU gave the
+    same call, found by aligning the two streams' other requests; a call the GPU ran without one gets 0."""
+    import torch
+    from torch import nn
+
+    from batchfit import Workload
+    from batchfit.gpu.catalog import get_device
+    from batchfit.memory.estimate import trace_for_device
+    from batchfit.precision import policy_for
+
+    diff = _benchmark("stream_diff")
+    wl = Workload(model=lambda: nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)),
+                  batch=lambda b: torch.randn(b, 4, 16, 16), loss=lambda m, x: m(x).sum())  # fmt: skip
+    trace = trace_for_device(wl, 2, get_device("H200"), policy_for("fp32", device_name="H200"), ())
+    gpu_size = {}  # what the "GPU" gives each workspace: twice forward, none for an input's gradient, +4 KiB
+    for sid, op in trace.op.items():
+        if op.startswith("cuDNN workspace"):
+            n = trace.nbytes[sid]
+            gpu_size[sid] = {"forward": 2 * n, "backward data": 0}.get(op[17:-1], n + 4096)
+    assert sorted({trace.op[s][17:-1] for s in gpu_size}) == ["backward data", "backward filter", "forward"]
+    entries = [{"action": "alloc" if is_alloc else "free_completed", "addr": sid, "size": gpu_size.get(sid, n)}
+               for is_alloc, sid, n in diff._gpu_order(trace)]  # fmt: skip
+    sizes, unmatched = diff.real_workspaces({"device_traces": [entries]}, trace)
+    assert (sizes, unmatched) == (gpu_size, 0)
+    # The GPU takes an input gradient's workspace before it allocates the weight's gradient; the trace lists
+    # both outputs first, so the order compared is not the trace's own.
+    assert [s for a, s, _ in diff._gpu_order(trace)] != [s for a, s, _ in trace.allocations()]
