@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from batchfit.memory.blocks import round_size  # noqa: E402
+from batchfit.memory.cudnn import WORKSPACE  # noqa: E402
 
 MiB = 2**20
 Token = tuple[str, int]
@@ -110,8 +111,6 @@ def _model_trace(case: str, precision: str, batch: int, gpu: str) -> Any:
 
 
 # -- the GPU's own workspaces in the trace ------------------------------------------------------------
-WORKSPACE = "cuDNN workspace"
-"""The trace's label of the workspaces ``real_workspaces`` sizes from a real stream."""
 _CONV_BACKWARD = "aten.convolution_backward.default"
 Request = tuple[bool, Any, int]
 """``(is_alloc, key, bytes)``: one allocator call of either stream (the key pairs a free with its alloc)."""

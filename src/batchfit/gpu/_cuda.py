@@ -23,11 +23,9 @@ def cuda_device(cuda: Any = torch.cuda) -> Device:
     props = cuda.get_device_properties(cuda.current_device())
     name = str(props.name).lower()
     sms = int(getattr(props, "multi_processor_count", 0) or 0)
-    for dev in catalog():
-        if any(alias.lower() == name for alias in (dev.name, *dev.aliases)):
-            dev = dev.with_overrides(total_bytes=int(props.total_memory))
-            return replace(dev, multiprocessors=sms) if sms else dev
-    dev = generic_device(f"{int(props.total_memory)}B")
+    total = int(props.total_memory)
+    named = next((d for d in catalog() if any(alias.lower() == name for alias in (d.name, *d.aliases))), None)
+    dev = named.with_overrides(total_bytes=total) if named else generic_device(f"{total}B")
     return replace(dev, multiprocessors=sms) if sms else dev
 
 

@@ -97,6 +97,8 @@ import torch
 from ..gpu.catalog import ConvWorkspace, Device
 
 FORWARD, BACKWARD_DATA, BACKWARD_FILTER = "forward", "backward data", "backward filter"
+WORKSPACE = "cuDNN workspace"
+"""The start of a workspace's op label in the trace (``ConvCall.label``), which ``estimate`` sums."""
 HEURISTIC_WORKSPACE = ConvWorkspace(forward=1.0, backward_data=1.0, backward_filter=1.0)
 """The assumed workspace with cuDNN's heuristics, per byte of input + weight + output (NOTE, item 4)."""
 BENCHMARK_WORKSPACE = ConvWorkspace(forward=2.0, backward_data=2.0, backward_filter=2.0)
@@ -139,7 +141,7 @@ class ConvCall:
     @property
     def label(self) -> str:
         """The trace's op label of the workspace (``estimate`` sums labels starting with "cuDNN")."""
-        return f"cuDNN workspace ({self.direction})"
+        return f"{WORKSPACE} ({self.direction})"
 
 
 def ratios_for(device: Device, flags: CudnnFlags) -> ConvWorkspace:

@@ -22,6 +22,7 @@ from typing import Any
 from ..gpu.catalog import Device
 from .allocator import replay, round_size
 from .categories import ORDER, Category
+from .cudnn import WORKSPACE
 from .heap import full_collections_deferred
 from .trace import MemoryTrace
 
@@ -182,7 +183,7 @@ def estimate_from_trace(
     phase, step = trace.phase_at(reading.event_index)
     workspace = sum(round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace"))
     conv_workspace = max(
-        (round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuDNN workspace")), default=0
+        (round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith(WORKSPACE)), default=0
     )
     return Estimate(
         workload=workload,
