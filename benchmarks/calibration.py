@@ -81,8 +81,8 @@ from torch import nn
 import batchfit
 from batchfit import Workload, presets
 from batchfit.gpu.catalog import Device, get_device
-from batchfit.memory.allocator import replay
-from batchfit.memory.trace import trace_workload
+from batchfit.memory.allocator.caching import replay
+from batchfit.memory.trace.fake_step import trace_workload
 from batchfit.models import hf_data
 from batchfit.units import MiB
 
@@ -352,9 +352,9 @@ def estimate_row(row: Row, *, legacy: bool = True) -> batchfit.Estimate:
     Without accumulation this is ``batchfit.estimate``. With it, the same trace and estimate over one
     accumulation window and one more micro-step (NOTE [ Modelling the run HF made ]).
     """
-    from batchfit.checkpointing import checkpoint_classes
-    from batchfit.memory.cuda import CudaKernels, cuda_emulation
+    from batchfit.activation_checkpointing import checkpoint_classes
     from batchfit.memory.estimate import estimate_from_trace
+    from batchfit.memory.kernels.cuda import CudaKernels, cuda_emulation
     from batchfit.precision import policy_for
 
     workload = hf_trainer_workload(

@@ -159,7 +159,7 @@ def on_host(items: list) -> Any:
     """``default_collate`` outside the simulated GPU: a loader collates in host memory."""
     from torch.utils.data import default_collate
 
-    from batchfit.memory.trace import real_execution
+    from batchfit.memory.trace.fake_step import real_execution
 
     with real_execution():
         return default_collate(items)

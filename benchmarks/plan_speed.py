@@ -3,7 +3,7 @@ and the same plan again.
 
 Three cases, each in fresh subprocesses so that every figure includes what a user's command pays, and
 each twice in the same run with the same process settings, ``BATCHFIT_DEPTH_SYNTHESIS=1`` (the default:
-stacks cut to four periods, the full depth written, ``memory/depth.py``) and ``=0`` (every layer traced):
+stacks cut to four periods, the full depth written, ``memory/synthesis/depth.py``) and ``=0`` (every layer traced):
 
 * ``hf-llama-7b`` (Llama-2-7B, 32 layers, seq 4096), global batch 64 on 8 x A100-80GB;
 * Llama-3.1-70B's published config (``benchmarks/configs/llama-3.1-70b``: 80 layers, seq 4096, its decoder
@@ -16,7 +16,7 @@ the first CPU kernels run), the same estimate in a warm process (after one at ba
 cleared: what each later estimate of a plan costs), the ``plan`` with
 an empty cache ("cold": how many steps it traced and how many layers those steps ran), once fitting one
 configuration at a time (``BATCHFIT_WORKERS=1``) and once as a user's command runs it (configurations
-fitted ahead in as many processes as the machine has cores, ``planning/parallel.py``), and the same
+fitted ahead in as many processes as the machine has cores, ``planning/workers.py``), and the same
 plan in a new process with the cache the cold one left ("warm": its time beyond the process's start-up,
 the median of three processes that import batchfit and build the workload, no plan).
 
@@ -72,7 +72,7 @@ def _workload(name: str) -> Any:
     # A model loaded from its config names no blocks to checkpoint; the plan may checkpoint the decoder
     # layers, as it may the hf-llama-7b preset's (without, a 70B step at 4096 tokens fits on no GPU). And
     # AdamW fused, as 70B runs use it: the multi-tensor (foreach) step's temporaries are whole-model sized,
-    # and the FSDP model shards parameters, gradients and states only (memory/sharding.py).
+    # and the FSDP model shards parameters, gradients and states only (memory/synthesis/sharding.py).
     return dataclasses.replace(batchfit.sources.load(name, seq_len=4096), checkpoint_blocks=(LlamaDecoderLayer,),
                                optimizer=_fused_adamw)  # fmt: skip
 
@@ -85,8 +85,8 @@ def _fused_adamw(params: Any) -> Any:
 
 def _layers(workload: Any) -> int:
     """Blocks in the model's stacks (what a full-depth trace runs)."""
-    from batchfit.memory.stacks import find_stacks
-    from batchfit.memory.trace import fake_model
+    from batchfit.memory.synthesis.stacks import find_stacks
+    from batchfit.memory.trace.fake_step import fake_model
 
     stacks, _ = find_stacks(fake_model(workload))
     return sum(s.length for s in stacks)
@@ -96,7 +96,7 @@ def _worker(kind: str, name: str, global_batch_size: int, device: str, gpus: int
     start = time.perf_counter()
     import batchfit
     from batchfit.cache import CACHE
-    from batchfit.memory.depth import STATS
+    from batchfit.memory.synthesis.depth import STATS
 
     workload = _workload(name)
     if kind == "startup":  # the same process up to the plan call: imports and the workload, no plan
@@ -185,7 +185,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from batchfit.planning.parallel import resolve_workers
+    from batchfit.planning.workers import resolve_workers
 
     _byte_compiled()
     workers = resolve_workers(None)

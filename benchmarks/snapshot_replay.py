@@ -3,7 +3,7 @@
 For each snapshot (``torch.cuda.memory._dump_snapshot``, e.g. those ``benchmarks/gpu_truth.py --snapshots
 DIR`` writes, ``.pickle`` or ``.pickle.gz``) it prints the entries replayed, the real and the model's
 reserved peak, the out-of-memory errors of each, the capacity the replay used and where it came from, and
-the first difference (``batchfit.memory.stream_replay``). The torch that recorded a snapshot decides how
+the first difference (``batchfit.memory.allocator.stream_replay``). The torch that recorded a snapshot decides how
 equal free blocks are ordered; give it with ``--torch`` when it is not the one installed here.
 
 Run: ``python benchmarks/snapshot_replay.py PATH [PATH ...] [--torch 2.11.0] [--capacity BYTES]`` (a PATH may
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from batchfit.errors import ConfigError  # noqa: E402
-from batchfit.memory.stream_replay import StreamReplay, replay_snapshot  # noqa: E402
+from batchfit.memory.allocator.stream_replay import StreamReplay, replay_snapshot  # noqa: E402
 
 MiB = 2**20
 

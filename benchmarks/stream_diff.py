@@ -5,7 +5,7 @@ Kernels that allocate on CUDA and not on the CPU (cuBLAS/cuDNN workspaces, atten
 loss), or frees in another order, show up as requests one stream has and the other has not. This script
 aligns the sequence of allocations and frees (by size, rounded as the allocator rounds them) of a real
 snapshot (``benchmarks/gpu_truth.py --snapshots DIR``) with the estimate's own stream of the same step
-(``batchfit.memory.snapshot.build_snapshot``) and prints every stretch where they differ, each request
+(``batchfit.memory.allocator.snapshot.build_snapshot``) and prints every stretch where they differ, each request
 with where it came from: the real one's innermost frame outside torch, the traced one's op and module.
 
 ``--workspaces`` replays the traced step twice instead, as traced and with the GPU's own size for each cuDNN
@@ -31,8 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from batchfit.memory.blocks import round_size  # noqa: E402
-from batchfit.memory.cudnn import WORKSPACE  # noqa: E402
+from batchfit.memory.allocator.blocks import round_size  # noqa: E402
+from batchfit.memory.kernels.cudnn import WORKSPACE  # noqa: E402
 
 MiB = 2**20
 Token = tuple[str, int]
@@ -99,7 +99,7 @@ def _model_trace(case: str, precision: str, batch: int, gpu: str) -> Any:
     truth = importlib.util.module_from_spec(spec)
     sys.modules["gpu_truth"] = truth
     spec.loader.exec_module(truth)
-    from batchfit.checkpointing import checkpoint_classes
+    from batchfit.activation_checkpointing import checkpoint_classes
     from batchfit.gpu.catalog import get_device
     from batchfit.memory.estimate import trace_for_device
     from batchfit.precision import policy_for
@@ -184,8 +184,8 @@ def _split(calls: list[Request]) -> tuple[list[Token], list[list[tuple[Any, int]
 
 def with_real_workspaces(snapshot: dict[str, Any], trace: Any) -> dict[str, Any]:
     """Peaks of the trace replayed as traced and with the GPU's own workspace sizes, beside the GPU's own."""
-    from batchfit.memory.allocator import replay
-    from batchfit.memory.stream_replay import replay_snapshot
+    from batchfit.memory.allocator.caching import replay
+    from batchfit.memory.allocator.stream_replay import replay_snapshot
 
     sizes, unmatched = real_workspaces(snapshot, trace)
     nbytes = trace.nbytes
@@ -201,7 +201,7 @@ def _error(estimate: int, real: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from batchfit.memory.stream_replay import load_snapshot
+    from batchfit.memory.allocator.stream_replay import load_snapshot
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("snapshot", help="a real step's snapshot (gpu_truth.py --snapshots)")
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print("stream_diff: give --case, --precision and --batch (the file name does not say them)")
         return 2
     gpu = args.gpu or (real_snapshot.get("recorded_with") or {}).get("gpu") or "H100-80GB"
-    from batchfit.memory.snapshot import build_snapshot
+    from batchfit.memory.allocator.snapshot import build_snapshot
 
     if args.workspaces:  # at full depth: the written trace frees some workspaces after other frees
         os.environ["BATCHFIT_DEPTH_SYNTHESIS"] = os.environ["BATCHFIT_CACHE"] = "0"

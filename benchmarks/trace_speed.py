@@ -8,7 +8,7 @@ CUDA device resolves it, same batch, bf16 autocast) in a fresh subprocess each, 
   CUDA kernel model and emulation, host memory not counted), and the whole ``estimate()`` (trace +
   allocator replay, trace cache off) beside it; twice, in separate processes: every layer traced
   (``BATCHFIT_DEPTH_SYNTHESIS=0``), and depth synthesised (the default: the step traced with 4 of its
-  32 layers, the full-depth trace written from it, ``memory/depth.py``; the plan of the cut, a build on
+  32 layers, the full-depth trace written from it, ``memory/synthesis/depth.py``; the plan of the cut, a build on
   the meta device, made again for every run), whose trace must have the same peak;
 * ``torch.distributed._tools.mem_tracker.MemTracker``, PyTorch's own tracker, used as its docstring
   says (``track_external`` before use, ``reset_mod_stats()`` between iterations);
@@ -60,9 +60,9 @@ def _ours() -> dict[str, Any]:
     from batchfit import presets
     from batchfit.cache import no_cache
     from batchfit.gpu.catalog import get_device
-    from batchfit.memory import stackplan
-    from batchfit.memory.depth import STATS
     from batchfit.memory.estimate import _trace_for_device, read_peak
+    from batchfit.memory.synthesis import stackplan
+    from batchfit.memory.synthesis.depth import STATS
     from batchfit.precision import policy_for
 
     workload = presets.get(PRESET)
@@ -103,8 +103,8 @@ def _fake_steps(tracked: bool) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from batchfit import presets
-    from batchfit.memory.compat import library_compat
     from batchfit.memory.steps import run_steps
+    from batchfit.memory.trace.compat import library_compat
     from batchfit.precision import policy_for
     from batchfit.workload import trainable_parameters
 

@@ -27,7 +27,7 @@ def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 
 @pytest.fixture(scope="session", autouse=True)
 def _plans_fit_one_configuration_at_a_time() -> Iterator[None]:
-    """Plans do not fork (``planning/parallel.py``) except where a test asks: two xdist workers already fill
+    """Plans do not fork (``planning/workers.py``) except where a test asks: two xdist workers already fill
     the machine, and tests count the steps a plan traces and the progress lines it shows."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BATCHFIT_WORKERS", "1")

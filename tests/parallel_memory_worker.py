@@ -2,7 +2,7 @@
 
 Run under ``torchrun --nproc_per_node=N``. For each layout named on the command line (``tp2``,
 ``tp2-sp``, ``tp2-fsdp2``, ``tp2-sp-fsdp2``; their GPU counts must be N), every rank loads the tiny Llama
-of the config directory given, splits it with ``batchfit.memory.parallel.apply_layout`` (the function the
+of the config directory given, splits it with ``batchfit.memory.trace.model_parallel.apply_layout`` (the function the
 trainer uses) on a real ``("dp", "tp")`` mesh, and runs the two steps the tracer runs
 (``run_workload_steps``) under the CPU profiler, its collectives settled (NOTE below). Each rank records
 the allocator's peak and its local parameter, gradient and optimizer-state bytes; rank 0 writes every
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from batchfit.memory.measure import cpu_memory_profile, optimizer_tensors, profile_peak
-from batchfit.memory.parallel import apply_layout, make_mesh
 from batchfit.memory.steps import run_workload_steps
-from batchfit.memory.tracker import local_tensor
+from batchfit.memory.trace.model_parallel import apply_layout, make_mesh
+from batchfit.memory.trace.tracker import local_tensor
 from batchfit.sources import load
 from batchfit.train.distributed import init_distributed, shutdown
 from batchfit.workload import ParallelLayout, model_tensors, trainable_parameters

@@ -1,4 +1,4 @@
-"""An accumulating step's trace written from the plain step's (``memory/accumulation.py``) is the trace
+"""An accumulating step's trace written from the plain step's (``memory/synthesis/accumulation.py``) is the trace
 of the accumulating step itself: event for event, with every storage's bytes, role, module and op."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import batchfit
 from batchfit import presets
 from batchfit.cache import CACHE
 from batchfit.gpu.catalog import get_device
-from batchfit.memory.accumulation import accumulating_trace
 from batchfit.memory.categories import Category
 from batchfit.memory.estimate import (
     _as_workload,
@@ -23,6 +22,7 @@ from batchfit.memory.estimate import (
     trace_for_device,
     with_accumulation,
 )
+from batchfit.memory.synthesis.accumulation import accumulating_trace
 from batchfit.precision import policy_for
 
 A100 = get_device("A100-80GB")

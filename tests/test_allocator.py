@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.errors import ConfigError
-from batchfit.memory.allocator import (
+from batchfit.memory.allocator.caching import (
     LARGE_BUFFER,
     MIN_LARGE_ALLOC,
     ROUND_LARGE,

@@ -108,7 +108,7 @@ def test_an_edit_anywhere_in_batchfit_never_reuses_a_trace() -> None:
 
     root = Path(batchfit.__file__).resolve().parent
     names = {str(p.relative_to(root)) for p in own_files()}
-    assert {"memory/tracer.py", "memory/estimate.py", "cache/keys.py", "workload.py"} <= names
+    assert {"memory/trace/tracer.py", "memory/estimate.py", "cache/keys.py", "workload.py"} <= names
     assert names == {str(p.relative_to(root)) for p in root.rglob("*.py")}
 
 

@@ -10,7 +10,7 @@ from batchfit import calibrate
 from batchfit.errors import NoGpuError
 from batchfit.gpu.calibrate import QUICK_SHAPES, SHAPES, ConvShape, TorchGpu, calibrate_device, measure_transient
 from batchfit.gpu.catalog import ConvWorkspace
-from batchfit.memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD
+from batchfit.memory.kernels.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD
 from batchfit.units import MiB
 
 

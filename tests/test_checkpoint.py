@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from batchfit import CheckpointError
-from batchfit.train.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from batchfit.train.sampler import GlobalBatchSampler
+from batchfit.train.save_resume import load_checkpoint, read_checkpoint, save_checkpoint
 
 
 def _trained(seed: int = 0):

@@ -12,7 +12,7 @@ from torch import nn
 from zoo import HF_ENTRIES, PEFT_ENTRIES, Entry
 
 import batchfit
-from batchfit.checkpointing import UseReentrant, apply_checkpointing, checkpoint_classes, model_layers
+from batchfit.activation_checkpointing import UseReentrant, apply_checkpointing, checkpoint_classes, model_layers
 from batchfit.cli import main
 from batchfit.errors import ConfigError
 from batchfit.memory.measure import measure_cpu_peak

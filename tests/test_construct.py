@@ -171,7 +171,7 @@ class _SavedCopy(nn.Module):
 
 
 def test_a_deep_copy_while_building_is_a_new_fake_of_the_same_mode() -> None:
-    from batchfit.memory.trace import fake_model
+    from batchfit.memory.trace.fake_step import fake_model
 
     model = fake_model(_classify(_SavedCopy))
     # A fake's deep copy used to clone its whole FakeTensorMode (the process later died freeing both).
@@ -186,8 +186,8 @@ def test_the_session_is_one_python_mode_that_still_reads_values() -> None:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from batchfit.memory.construct import fake_session
-    from batchfit.memory.values import FakeValueMode, active_value_mode
+    from batchfit.memory.trace.construct import fake_session
+    from batchfit.memory.trace.values import FakeValueMode, active_value_mode
 
     with fake_session() as values:
         mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)

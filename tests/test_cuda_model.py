@@ -1,4 +1,4 @@
-"""The CUDA kernel model (``memory/cuda.py``): one test per correction of its NOTE, with exact bytes.
+"""The CUDA kernel model (``memory/kernels/cuda.py``): one test per correction of its NOTE, with exact bytes.
 
 Each test traces a tiny model the way ``batchfit.estimate`` does for a device (``trace_for_device``) and
 compares what the corrections keep against byte counts derived here from the shapes. Sizes are
@@ -15,10 +15,10 @@ from torch import nn
 import batchfit
 from batchfit import Workload
 from batchfit.gpu.catalog import get_device
-from batchfit.memory.allocator import round_size
+from batchfit.memory.allocator.caching import round_size
 from batchfit.memory.categories import Category
 from batchfit.memory.estimate import trace_for_device
-from batchfit.memory.trace import MemoryTrace
+from batchfit.memory.trace.fake_step import MemoryTrace
 from batchfit.precision import policy_for
 
 B, D = 512, 64  # rows and width of the small models: B*D fp32 = 128 KiB
@@ -275,7 +275,7 @@ def _lstm_workload(bidirectional: bool) -> Workload:
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_cuda_lstm_keeps_a_cudnn_reserve_per_layer_and_direction(bidirectional: bool) -> None:
-    from batchfit.memory.cuda import cudnn_rnn_reserve_bytes
+    from batchfit.memory.kernels.cuda import cudnn_rnn_reserve_bytes
 
     t, _ = trace(_lstm_workload(bidirectional), 8, "A100-40GB")
     start, end = _phase_bounds(t, "forward", 1)
@@ -336,7 +336,7 @@ class _OldLibrary:
 
 
 def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(monkeypatch) -> None:
-    from batchfit.memory.overrides import _impl
+    from batchfit.memory.trace.overrides import _impl
 
     monkeypatch.setattr(torch.library, "_impls", {"aten/_grouped_mm/Meta"})  # torch's meta registration
     old = _OldLibrary()
@@ -352,7 +352,7 @@ def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(
     assert new.kernels == [("_grouped_mm", "Meta", True)]
 
 
-# -- reduction staging (memory/cuda_reduce.py; not in the trace yet: NOTE's limitations) -------------
+# -- reduction staging (memory/kernels/cuda_reduce.py; not in the trace yet: NOTE's limitations) -------------
 @pytest.mark.parametrize(
     ("shape", "dims", "dtype", "staging", "semaphores"),
     [
@@ -367,7 +367,7 @@ def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(
 )
 def test_a_cuda_reduction_stages_partial_sums_when_blocks_split_an_output(shape, dims, dtype, staging,
                                                                           semaphores) -> None:  # fmt: skip
-    from batchfit.memory.cuda_reduce import staging_bytes
+    from batchfit.memory.kernels.cuda_reduce import staging_bytes
 
     x = torch.empty(shape, dtype=dtype, device="meta")
     h200 = get_device("H200")

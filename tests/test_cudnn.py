@@ -1,4 +1,4 @@
-"""cuDNN convolution workspaces (``memory/cudnn.py``): one test per rule of its NOTE, with exact bytes.
+"""cuDNN convolution workspaces (``memory/kernels/cudnn.py``): one test per rule of its NOTE, with exact bytes.
 
 The traced tests run tiny convolution models through ``trace_for_device`` as ``estimate`` does; the
 selection rules (which convolutions reach cuDNN) are checked on meta tensors, which cost nothing even
@@ -14,10 +14,10 @@ from torch import nn
 import batchfit
 from batchfit import Workload
 from batchfit.gpu.catalog import ConvWorkspace, get_device
-from batchfit.memory import cudnn
-from batchfit.memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD, CudnnFlags, workspaces
 from batchfit.memory.estimate import trace_for_device
-from batchfit.memory.trace import MemoryTrace
+from batchfit.memory.kernels import cudnn
+from batchfit.memory.kernels.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD, CudnnFlags, workspaces
+from batchfit.memory.trace.fake_step import MemoryTrace
 from batchfit.precision import policy_for
 
 F32 = 4

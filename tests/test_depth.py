@@ -1,4 +1,4 @@
-"""Depth synthesis (``memory/depth.py``): the trace written from a step with its stacks cut to four
+"""Depth synthesis (``memory/synthesis/depth.py``): the trace written from a step with its stacks cut to four
 periods is the traced full-depth step, event for event (bytes, roles, modules, ops, rows, phases, FLOPs,
 gradient hand-overs and notes), across the zoo and with checkpointing, autocast, accumulation, LoRA
 and FSDP; a model that does not repeat as assumed is traced at full depth and its estimate says why."""
@@ -20,13 +20,13 @@ from zoo import BY_NAME, deeper
 import batchfit
 from batchfit import presets
 from batchfit.gpu.catalog import get_device
-from batchfit.memory.accumulation import accumulating_trace
-from batchfit.memory.depth import STATS
 from batchfit.memory.estimate import _as_workload, _trace_for_device, finish_estimate, with_accumulation
 from batchfit.memory.measure import measure_cpu_peak
-from batchfit.memory.sharding import shard_trace
-from batchfit.memory.stacks import find_stacks
-from batchfit.memory.trace import fake_model
+from batchfit.memory.synthesis.accumulation import accumulating_trace
+from batchfit.memory.synthesis.depth import STATS
+from batchfit.memory.synthesis.sharding import shard_trace
+from batchfit.memory.synthesis.stacks import find_stacks
+from batchfit.memory.trace.fake_step import fake_model
 from batchfit.models import hf
 from batchfit.precision import policy_for
 
@@ -148,7 +148,7 @@ def test_a_cpu_estimate_written_at_full_depth_is_the_allocators_peak() -> None:
 
 
 def test_an_accumulating_step_is_written_from_the_written_plain_step() -> None:
-    """On a GPU the accumulating step is written from the plain one (``memory/accumulation.py``), here a
+    """On a GPU the accumulating step is written from the plain one (``memory/synthesis/accumulation.py``), here a
     written one; on the CPU it is traced, cut, and written at full depth like any step."""
     policy = policy_for("fp32", bf16_supported=True, device_name=A100.name)
     _, plain, _ = _both(GPT)
@@ -452,11 +452,11 @@ def test_a_torchscript_function_traces_alike_on_its_first_calls_and_later_ones()
 
 
 def test_the_meta_build_writes_no_values_and_leaves_real_tensors_initialised() -> None:
-    """The stacks are found on a ``meta`` build (``memory/stackplan.py``), where initialisers write
+    """The stacks are found on a ``meta`` build (``memory/synthesis/stackplan.py``), where initialisers write
     nothing: they are skipped there, and only there."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from batchfit.memory.stackplan import _values_not_written
+    from batchfit.memory.synthesis.stackplan import _values_not_written
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:

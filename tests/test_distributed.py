@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchfit.train.checkpoint import read_checkpoint
+from batchfit.train.save_resume import read_checkpoint
 
 TIMEOUT_S = 120
 BASE = ["train", "mlp", "--dtype", "float64", "--micro-batch-size", "7", "--json"]

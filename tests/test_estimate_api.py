@@ -311,7 +311,7 @@ def test_the_caches_watched_are_those_of_packages_that_can_hold_a_tensor(tmp_pat
     import importlib
     import sys
 
-    from batchfit.memory import compat
+    from batchfit.memory.trace import compat
 
     cache = "import functools\n\n@functools.lru_cache\ndef table(n):\n    return n\n"
     layer = "from torch import nn\n\nclass Layer(nn.Module):\n    pass\n"

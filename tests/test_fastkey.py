@@ -6,9 +6,9 @@ import torch
 from torch._subclasses._fake_tensor_utils import _CacheKeyState
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from batchfit.memory import fastkey
-from batchfit.memory.construct import fake_session
-from batchfit.memory.values import FakeValueMode
+from batchfit.memory.trace import fastkey
+from batchfit.memory.trace.construct import fake_session
+from batchfit.memory.trace.values import FakeValueMode
 
 
 def _keys(mode: FakeTensorMode, args: object) -> tuple[list, list | None]:

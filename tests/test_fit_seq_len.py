@@ -22,7 +22,7 @@ from batchfit import ConfigError, DoesNotFitError, SimulatedDevice, Workload, es
 from batchfit.cli import main
 from batchfit.gpu.catalog import Device
 from batchfit.memory.estimate import trace_for_device
-from batchfit.memory.scaling import TraceCurve
+from batchfit.memory.synthesis.scaling import TraceCurve
 from batchfit.models import hf
 from batchfit.planning.fit import FitResult, fit
 from batchfit.precision import policy_for

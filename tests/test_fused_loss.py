@@ -14,7 +14,7 @@ import batchfit
 from batchfit.errors import ConfigError
 from batchfit.gpu.catalog import get_device
 from batchfit.memory.estimate import trace_for_device
-from batchfit.memory.fused_loss import liger_loss
+from batchfit.memory.kernels.fused_loss import liger_loss
 from batchfit.memory.measure import measure_cpu_peak
 from batchfit.models import hf
 from batchfit.precision import policy_for

@@ -91,7 +91,7 @@ def test_the_invariant_catches_a_wrong_split(monkeypatch: pytest.MonkeyPatch, mu
     """The check is not vacuous: a first micro-batch weighted 1.5 times, or one item used twice and
     another never (a slice shifted by one item), is classified ``other``."""
     import batchfit.train.micro_step as micro_step_module
-    import batchfit.train.oom as oom_module
+    import batchfit.train.oom_resplit as oom_module
 
     case = Case(24, 8, 1, "adamw", None, "mean", "float64", 1024, True, False, seed=5)
     assert run_case(case).kind == "exact"

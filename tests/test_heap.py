@@ -1,4 +1,4 @@
-"""Full garbage collections wait while a trace runs, young ones do not (``memory/heap.py``)."""
+"""Full garbage collections wait while a trace runs, young ones do not (``memory/trace/heap.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from batchfit.memory.heap import full_collections_deferred
+from batchfit.memory.trace.heap import full_collections_deferred
 
 
 @pytest.fixture

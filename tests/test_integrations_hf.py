@@ -138,7 +138,7 @@ def test_the_optimizer_of_args_optim_is_traced(model: Any, out_dir: str, optim: 
     wl = trainer_workload(model, args, sample=example(0))
     with trainer_config(model, args):
         states = batchfit.estimate(wl, 2, device="A100-80GB").breakdown["optimizer_states"]
-    from batchfit.memory.allocator import round_size
+    from batchfit.memory.allocator.caching import round_size
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     weights = sum(round_size(p.numel() * p.element_size()) for p in trainable)  # in the allocator's blocks
@@ -152,7 +152,7 @@ def test_the_optimizer_of_args_optim_is_traced(model: Any, out_dir: str, optim: 
 
 def _expected_states(optim: str, sizes: list[int]) -> int:
     """The states of ``optim`` on tensors of ``sizes`` values, in the allocator's blocks (a GPU estimate's)."""
-    from batchfit.memory.allocator import round_size as r
+    from batchfit.memory.allocator.caching import round_size as r
 
     moments = 1 if "lion" in optim else 2
     if optim.endswith("32bit"):  # bitsandbytes: fp32 whatever the parameter's dtype

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import batchfit
-from batchfit.checkpointing import NonReentrant, UseReentrant, apply_checkpointing, checkpoint_classes
+from batchfit.activation_checkpointing import NonReentrant, UseReentrant, apply_checkpointing, checkpoint_classes
 from batchfit.errors import ConfigError
 from batchfit.memory.measure import measure_cpu_peak
 from batchfit.memory.steps import build_for_steps

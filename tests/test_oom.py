@@ -16,7 +16,7 @@ import batchfit.train.trainer as trainer_module
 from batchfit.errors import DoesNotFitError
 from batchfit.gpu.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator, micro_batch_sizes
-from batchfit.train.oom import CudaCache, Replan, is_out_of_memory, release_memory
+from batchfit.train.oom_resplit import CudaCache, Replan, is_out_of_memory, release_memory
 from batchfit.train.trainer import Trainer
 
 MiB = 2**20

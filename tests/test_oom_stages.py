@@ -18,14 +18,14 @@ from test_oom import assert_same, build_faulty, data, fake_oom, faulty_trainer, 
 from torch import nn
 
 import batchfit.train.finish as finish_module
-import batchfit.train.oom as oom_module
+import batchfit.train.oom_resplit as oom_module
 import batchfit.train.window_noise as window_noise_module
 from batchfit.errors import DoesNotFitError
 from batchfit.gpu.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator
-from batchfit.train.checkpoint import save_checkpoint
-from batchfit.train.outofmemory import MicroBatchOutOfMemory
+from batchfit.train.oom_errors import MicroBatchOutOfMemory
 from batchfit.train.results import Replan
+from batchfit.train.save_resume import save_checkpoint
 from batchfit.train.trainer import Trainer
 
 MiB = 2**20
@@ -245,7 +245,7 @@ def test_an_accumulator_given_a_simulated_device_uses_it_unentered() -> None:
 
 # -- the checkpoint write ------------------------------------------------------------------------------------------
 def test_an_oom_while_writing_a_checkpoint_keeps_the_old_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import batchfit.train.checkpoint as checkpoint_module
+    import batchfit.train.save_resume as checkpoint_module
 
     model = build_faulty()
     path = save_checkpoint(tmp_path / "ck.pt", model=model, step=1)

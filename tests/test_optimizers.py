@@ -20,7 +20,7 @@ import batchfit
 from batchfit import presets
 from batchfit.cli import main
 from batchfit.errors import ConfigError, MissingExtraError
-from batchfit.memory.allocator import round_size
+from batchfit.memory.allocator.caching import round_size
 from batchfit.memory.measure import measure_cpu_peak
 from batchfit.memory.states import state_bytes
 from batchfit.sources import load

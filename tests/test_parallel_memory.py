@@ -107,8 +107,8 @@ def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, n
     from trace_compare import everything
 
     from batchfit.gpu.catalog import get_device
-    from batchfit.memory.depth import STATS
     from batchfit.memory.estimate import _trace_for_device
+    from batchfit.memory.synthesis.depth import STATS
     from batchfit.precision import policy_for
 
     wl = dataclasses.replace(load(str(llama_config_dir(tmp_path, num_hidden_layers=6)), seq_len=SEQ_LEN),

@@ -19,8 +19,8 @@ import batchfit
 from batchfit.errors import ConfigError
 from batchfit.gpu.catalog import get_device
 from batchfit.memory.categories import Category
-from batchfit.memory.tp_plan import degree_error, published_plan, resolve_plan, split_facts
-from batchfit.memory.trace import fake_model, trace_workload
+from batchfit.memory.trace.fake_step import fake_model, trace_workload
+from batchfit.memory.trace.tp_plan import degree_error, published_plan, resolve_plan, split_facts
 from batchfit.planning.cost import tensor_parallel_bytes
 from batchfit.planning.ladder import _ladder
 from batchfit.planning.plan import describe_split, plan

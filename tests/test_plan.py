@@ -20,7 +20,7 @@ from torch import nn
 from batchfit import ConfigError, DoesNotFitError, TraceError, Workload, estimate, get_device, presets
 from batchfit.batching import make_splits, rank_shares, split_share
 from batchfit.gpu.catalog import Device
-from batchfit.memory.sharding import unit_of
+from batchfit.memory.synthesis.sharding import unit_of
 from batchfit.models import hf
 from batchfit.planning.fit import fit
 from batchfit.planning.plan import _ladder, describe_split, fit_estimate_at, plan
@@ -351,7 +351,7 @@ def test_progress_announces_every_step_a_cold_plan_traces(tmp_path: Path, monkey
     misses = CACHE.misses
     p = plan(wl, 64, device="410MiB", progress=lines.append)
     # The accumulating step fits 63 of the 64 items; the whole share as one micro-batch fits: its
-    # trace is the one the accumulating step at 64 was written from (memory/accumulation.py).
+    # trace is the one the accumulating step at 64 was written from (memory/synthesis/accumulation.py).
     assert (p.micro_batch_size, p.accumulation_steps) == (64, 1)
     assert "fp32: tracing a step of 64 items" in lines
     assert len(lines) == CACHE.misses - misses == 10

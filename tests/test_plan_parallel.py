@@ -1,4 +1,4 @@
-"""A plan's configurations fitted ahead in forked processes (``planning/parallel.py``): the same plan, the same
+"""A plan's configurations fitted ahead in forked processes (``planning/workers.py``): the same plan, the same
 count of traced steps, and a child that fails or hangs costs time, never the answer."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_a_child_writes_nothing_to_the_parents_output(
     import sys
     import warnings
 
-    from batchfit.planning import parallel
+    from batchfit.planning import workers as parallel
 
     done = tmp_path / "fitted-by"
 

@@ -17,7 +17,7 @@ from batchfit.errors import ConfigError
 from batchfit.gpu.catalog import get_device
 from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.measure import measure_cpu_peak
-from batchfit.memory.trace import fake_model
+from batchfit.memory.trace.fake_step import fake_model
 from batchfit.models import hf
 from batchfit.precision import policy_for
 from batchfit.sources.lora import parse_lora

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from batchfit.memory.stream_replay import replay_snapshot
+from batchfit.memory.allocator.stream_replay import replay_snapshot
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 SNAPSHOTS = sorted(RESULTS.glob("snapshots-*/*.pickle.gz"))

@@ -150,7 +150,7 @@ def test_memory_timeline_shows_the_traced_step(built) -> None:
 
 
 def test_timeline_counts_exact_bytes_on_the_cpu_and_downsampling_keeps_the_peak() -> None:
-    from batchfit.memory.trace import MemoryTrace
+    from batchfit.memory.trace.fake_step import MemoryTrace
 
     trace = MemoryTrace(events=[1, 2, ~2, 3, ~1, ~3], nbytes={1: 100, 2: 1000, 3: 10})
     exact = memory_timeline(trace, rounded=False)

@@ -17,8 +17,8 @@ import pytest
 from fsdp_memory_worker import BATCH_SIZE, WORKLOADS
 
 from batchfit.memory.categories import Category
-from batchfit.memory.sharding import shard_bytes, shard_trace
-from batchfit.memory.trace import MemoryTrace, trace_workload
+from batchfit.memory.synthesis.sharding import shard_bytes, shard_trace
+from batchfit.memory.trace.fake_step import MemoryTrace, trace_workload
 
 WORKER = Path(__file__).with_name("fsdp_memory_worker.py")
 _MEASURED = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)

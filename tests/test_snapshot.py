@@ -11,10 +11,10 @@ from torch.cuda import _memory_viz
 
 from batchfit import presets
 from batchfit.gpu.catalog import get_device
-from batchfit.memory.allocator import replay
+from batchfit.memory.allocator.caching import replay
+from batchfit.memory.allocator.snapshot import PICKLE_PROTOCOL, build_snapshot, write_snapshot
 from batchfit.memory.estimate import finish_estimate, trace_for_device
-from batchfit.memory.snapshot import PICKLE_PROTOCOL, build_snapshot, write_snapshot
-from batchfit.memory.trace import MemoryTrace
+from batchfit.memory.trace.fake_step import MemoryTrace
 from batchfit.precision import policy_for
 from batchfit.units import MiB
 

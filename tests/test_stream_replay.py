@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from batchfit.errors import ConfigError
-from batchfit.memory.stream_replay import (
+from batchfit.memory.allocator.stream_replay import (
     CapacityBounds,
     RealEvent,
     infer_capacity,
@@ -237,8 +237,8 @@ def test_a_traced_step_exported_as_a_snapshot_replays_exactly(gpt_trace, version
     """The estimate's own snapshot (``batchfit report --snapshot``) read back as if a GPU had recorded it, at
     a capacity that makes the cache release and retry (2 MiB short of the unlimited peak) or run out (the
     allocated peak): the same decisions, the same reserved peak, the same retries and OOM."""
-    from batchfit.memory.allocator import replay
-    from batchfit.memory.snapshot import build_snapshot
+    from batchfit.memory.allocator.caching import replay
+    from batchfit.memory.allocator.snapshot import build_snapshot
 
     free = replay(gpt_trace.allocations())
     capacity = free.peak_allocated_bytes if short_of_the_peak is None else free.peak_reserved_bytes - short_of_the_peak
@@ -287,7 +287,7 @@ def _benchmark(name: str):
 
 def test_the_stream_diff_finds_a_request_only_the_gpu_made(gpt_trace) -> None:
     """``benchmarks/stream_diff.py``: a kernel's workspace the trace lacks shows as an inserted alloc and free."""
-    from batchfit.memory.snapshot import build_snapshot
+    from batchfit.memory.allocator.snapshot import build_snapshot
 
     diff = _benchmark("stream_diff")
     traced = build_snapshot(gpt_trace)
@@ -306,8 +306,8 @@ def test_the_stream_diff_finds_a_request_only_the_gpu_made(gpt_trace) -> None:
 def test_the_stream_diff_of_a_step_against_its_own_trace_is_empty(tmp_path: Path, capsys) -> None:
     from batchfit import presets
     from batchfit.gpu.catalog import get_device
+    from batchfit.memory.allocator.snapshot import build_snapshot
     from batchfit.memory.estimate import trace_for_device
-    from batchfit.memory.snapshot import build_snapshot
     from batchfit.precision import policy_for
 
     dev = get_device("H200")
@@ -355,7 +355,7 @@ def test_with_the_gpus_own_cudnn_workspaces_a_traced_cnn_step_reserves_what_the_
     """The ResNet-18 shape reserves 32% more on the GPU than its traced step. Given the size the GPU gave each
     cuDNN workspace (``benchmarks/stream_diff.py --workspaces``), the rest of the trace and the allocator model
     reproduce the GPU's reserved peak within 1.2%: what is left of the error is cuDNN's choice of engines."""
-    from batchfit.memory.stream_replay import load_snapshot
+    from batchfit.memory.allocator.stream_replay import load_snapshot
 
     diff = _benchmark("stream_diff")
     monkeypatch.setenv("BATCHFIT_DEPTH_SYNTHESIS", "0")  # the written trace frees some workspaces later

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchfit.memory.construct import fake_session
-from batchfit.memory.gloo import staging_bytes
-from batchfit.memory.tracer import Tracer
-from batchfit.memory.tracker import inner_tensors, local_tensor
+from batchfit.memory.kernels.gloo import staging_bytes
+from batchfit.memory.trace.construct import fake_session
+from batchfit.memory.trace.tracer import Tracer
+from batchfit.memory.trace.tracker import inner_tensors, local_tensor
 
 
 class Resizing(nn.Module):
@@ -50,8 +50,8 @@ def test_a_storage_resized_to_nothing_is_freed_and_resized_back_is_allocated() -
 def test_a_dtensor_is_counted_by_its_local_shard() -> None:
     from torch.distributed.tensor import DTensor, Shard
 
-    from batchfit.memory.parallel import fake_world
-    from batchfit.memory.tracker import StorageTracker
+    from batchfit.memory.trace.model_parallel import fake_world
+    from batchfit.memory.trace.tracker import StorageTracker
     from batchfit.workload import ParallelLayout
 
     born: dict[int, int] = {}

@@ -1,14 +1,14 @@
 """Value shadows computed when read: the same values as computed at once, and no work for values
-nobody reads (``memory/values.py``, NOTE [ Values computed when read ])."""
+nobody reads (``memory/trace/values.py``, NOTE [ Values computed when read ])."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchfit.memory import values
-from batchfit.memory.construct import fake_session
-from batchfit.memory.values import real_of
+from batchfit.memory.trace import values
+from batchfit.memory.trace.construct import fake_session
+from batchfit.memory.trace.values import real_of
 
 
 def _pending(t: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.memory.tracer import MemoryTrace
+from batchfit.memory.trace.tracer import MemoryTrace
 
 
 def canonical(trace: MemoryTrace) -> tuple[list[int], list[tuple], list[tuple], dict]:

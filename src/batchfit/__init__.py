@@ -11,10 +11,6 @@ The public names are imported on first use (PEP 562), so ``import batchfit`` and
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -47,28 +43,6 @@ _EXPORTS: dict[str, str] = {
     "warmup_schedule": ".advice.lr",
 }
 _MODULES = {"devices": ".gpu.catalog", "presets": ".presets", "sources": ".sources"}
-
-# The modules that lived at the package root before ``planning/`` and ``gpu/`` held them: a user's
-# ``from batchfit.devices import get_device`` (or ``import batchfit.plan``) still finds the module at
-# its new home, as the same module object, so a monkeypatch of either name patches both.
-_MOVED: dict[str, str] = {
-    "plan": "planning.plan",
-    "plan_options": "planning.options",
-    "plan_ladder": "planning.ladder",
-    "plan_messages": "planning.messages",
-    "plan_parallel": "planning.parallel",
-    "fit": "planning.fit",
-    "fit_search": "planning.search",
-    "sweep": "planning.sweep",
-    "cost": "planning.cost",
-    "devices": "gpu.catalog",
-    "profiles": "gpu.profiles",
-    "calibrate": "gpu.calibrate",
-    "context": "gpu.context",
-    "monitor": "gpu.monitor",
-    "simulated": "gpu.simulated",
-    "cache_key": "cache.keys",
-}
 
 __all__ = [
     "Accumulator",
@@ -116,41 +90,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-class _Package(types.ModuleType):
-    """Keeps ``batchfit.fit`` (and ``plan``, ``sweep``) the function when a module of that name is imported.
-
-    Importing a submodule sets it as an attribute of its package; ``import batchfit.plan`` (the old
-    path of ``batchfit.planning.plan``) would then hide the ``plan`` function. The module is refused as
-    an attribute instead (it stays in ``sys.modules``).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``batchfit.<old name>`` as the module it moved to (``_MOVED``), one module under two names."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        prefix, _, leaf = fullname.rpartition(".")
-        if prefix != __name__ or leaf not in _MOVED:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return importlib.import_module(f".{_MOVED[spec.name.rpartition('.')[2]]}", __name__)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        """The module ran when it was imported under its own name; running it again would remake its state."""
-
-
-sys.modules[__name__].__class__ = _Package
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs

@@ -29,8 +29,8 @@ class ParallelLayout:
     The GPUs form a 2-D mesh, ``fsdp`` x ``tensor_parallel`` (PyTorch's large-model recipes): the
     tensor-parallel ranks of one group (inside a node) split every layer the model's plan names and run
     the same micro-batch; FSDP2 shards parameters, gradients and optimizer states across the groups,
-    which run different micro-batches. ``memory/parallel.py`` traces one rank of it, ``train/parallel.py``
-    trains it.
+    which run different micro-batches. ``memory/trace/model_parallel.py`` traces one rank of it,
+    ``train/tensor_parallel.py`` trains it.
 
     Example:
         >>> ParallelLayout(tensor_parallel=4, sequence_parallel=True, fsdp=16).describe()

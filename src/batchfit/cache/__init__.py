@@ -134,7 +134,7 @@ class TraceCache:
     ) -> Any:
         """``fact`` for a result on a modelled device (a fit, an estimate): the device and the cuDNN
         settings its kernel model reads are part of the key, beside ``extra``."""
-        from ..memory.cudnn import CudnnFlags
+        from ..memory.kernels.cudnn import CudnnFlags
 
         return self.fact(kind, workload, param_dtype, compute, extra=(device, CudnnFlags.current(), *extra))
 

@@ -37,7 +37,7 @@ from typing import Any
 # precision, the checkpointed classes, the accumulation count, the zero-grad mode, the parallel layout
 # and its tensor-parallel plan, the device's kernel model (cuBLAS workspaces, CPU thread count and
 # machine for CPU kernels), whether deep models are traced cut and written at full depth
-# (``memory/depth.py``), and the versions of batchfit, torch and transformers. All of it goes into the
+# (``memory/synthesis/depth.py``), and the versions of batchfit, torch and transformers. All of it goes into the
 # key (the versions, fixed for a process, into the name of its file on disk: ``installed``); anything
 # that cannot be described (an object with no stable description) makes the workload uncacheable
 # rather than risk a stale answer.
@@ -317,7 +317,7 @@ def _own_source() -> str:
 def _settings() -> tuple[str, ...]:
     """How traces are made in this process (the key's part that can change while it runs: depth synthesis
     on or off), and the trace format."""
-    from ..memory.stacks import synthesis_enabled
+    from ..memory.synthesis.stacks import synthesis_enabled
 
     return (f"format {_FORMAT}", f"depth synthesis {'on' if synthesis_enabled() else 'off'}")
 
@@ -355,15 +355,15 @@ def _structure(workload: Any, param_dtype: Any) -> Any:
 
     if isinstance(workload.model, nn.Module):
         return workload.model
-    from ..memory.construct import fake_construction
     from ..memory.steps import default_dtype
+    from ..memory.trace.construct import fake_construction
 
     try:
         with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return workload.build_model()
     except Exception:  # noqa: BLE001 - a constructor that reads values: build it as the trace does
-        from ..memory.trace import fake_model
+        from ..memory.trace.fake_step import fake_model
 
         return fake_model(workload, param_dtype)
 
@@ -422,7 +422,7 @@ def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes:
         kernel = ("cpu", platform.machine(), platform.processor(), torch.get_num_threads(),
                   torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "")  # fmt: skip
     else:
-        from ..memory.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
+        from ..memory.kernels.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
 
         kernel = ("cuda", device.cublas_workspace_bytes, device.cublas_handles, device.compute_capability,
                   _describe(device.conv_workspace), _describe(device.conv_workspace_benchmark),

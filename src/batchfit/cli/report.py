@@ -105,7 +105,7 @@ def _write(
     wl: Any, dev: Any, output: str | Path, *, png_dir: Any, snapshot: Any, quiet: bool, **options: Any
 ) -> dict[str, Any]:
     """Build and write the report (and PNGs, snapshot); returns what was written, for text or JSON."""
-    from ..memory.snapshot import write_snapshot
+    from ..memory.allocator.snapshot import write_snapshot
     from ..report.html import build_report, write_report
 
     if quiet or not sys.stderr.isatty():

@@ -92,8 +92,8 @@ def train(
     from ..memory.steps import default_dtype
     from ..precision import policy_for
     from ..sources import load
-    from ..train.checkpoint import load_checkpoint, model_and_optimizer_states
     from ..train.distributed import shutdown
+    from ..train.save_resume import load_checkpoint, model_and_optimizer_states
     from ..train.trainer import Trainer
     from ..workload import trainable_parameters
 
@@ -105,7 +105,7 @@ def train(
     model_dtype = torch.float64 if DType(dtype) is DType.float64 else torch.float32
     if model_dtype is torch.float64 and precision.lower() != "fp32":
         raise ConfigError("--dtype float64 is for exactness checks in full precision; use it with --precision fp32")
-    from ..train.checkpoint import read_checkpoint
+    from ..train.save_resume import read_checkpoint
 
     resume = read_checkpoint(checkpoint) if checkpoint is not None and checkpoint.exists() else None
     workload = load(preset, **_overrides(set_))

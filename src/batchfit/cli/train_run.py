@@ -62,7 +62,7 @@ def _join_process_group(device: str, global_batch_size: int, tensor_parallel: in
     import torch
 
     from ..train.distributed import init_distributed, launched_by_torchrun
-    from ..train.parallel import check_tensor_parallel
+    from ..train.tensor_parallel import check_tensor_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     ranks = world // check_tensor_parallel(tensor_parallel, world)  # a tensor-parallel group takes one share
@@ -103,8 +103,8 @@ def _checkpoint(
 ) -> None:
     """Rank 0 writes the checkpoint of a finished step (every rank joins: FSDP gathers the states whole);
     every rank waits for the file (no step runs ahead)."""
-    from ..train.checkpoint import save_checkpoint
     from ..train.distributed import barrier
+    from ..train.save_resume import save_checkpoint
 
     save_checkpoint(
         path,

@@ -19,7 +19,7 @@ needs the state the one before left):
    ``torch.backends.cudnn.benchmark``: the peak of ``memory_allocated`` during a call above what was
    allocated before it and its output; each mode runs in a fresh thread (PyTorch's cuDNN v8 plan cache
    is thread-local) on its own batch size (the legacy cache is global). The ratios to the operands'
-   bytes (``memory/cudnn.py``) are the largest measured, per direction. The context after the benchmark
+   bytes (``memory/kernels/cudnn.py``) are the largest measured, per direction. The context after the benchmark
    runs (which load every engine's kernels) is kept too.
 
 Every GPU access goes through a ``Gpu`` (``TorchGpu`` on a real one), so the assembly is tested with a
@@ -39,8 +39,8 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import NoGpuError
-from ..memory.allocator import round_size
-from ..memory.cudnn import BACKWARD_DATA, BACKWARD_FILTER, BENCHMARK_WORKSPACE, FORWARD, HEURISTIC_WORKSPACE
+from ..memory.allocator.caching import round_size
+from ..memory.kernels.cudnn import BACKWARD_DATA, BACKWARD_FILTER, BENCHMARK_WORKSPACE, FORWARD, HEURISTIC_WORKSPACE
 from .catalog import ConvWorkspace
 from .profiles import ConvMeasurement, DeviceProfile, GpuIdentity
 
@@ -205,7 +205,7 @@ class TorchGpu:
 
     # -- identity and settings ---------------------------------------------------------------------
     def identity(self) -> GpuIdentity:
-        from ._cuda import driver_version
+        from .real_gpu import driver_version
 
         props = self.cuda.get_device_properties(self.cuda.current_device())
         return GpuIdentity(str(props.name), driver_version(self._nvml), str(torch.version.cuda), str(torch.__version__))

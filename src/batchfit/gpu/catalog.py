@@ -93,7 +93,7 @@ def cublas_workspace_for(compute_capability: tuple[int, int]) -> int:
 class ConvWorkspace:
     """cuDNN convolution workspace of one call as a multiple of its operands' bytes (input + weight + output).
 
-    Measured per direction by ``batchfit calibrate``; ``memory/cudnn.py`` explains the model and its
+    Measured per direction by ``batchfit calibrate``; ``memory/kernels/cudnn.py`` explains the model and its
     default when nothing was measured.
     """
 
@@ -125,7 +125,7 @@ class Device:
         context_detail: what the source was (the profile's path, the reason eager loading was assumed).
         conv_workspace: measured cuDNN convolution workspaces (``batchfit calibrate``) as multiples of
             each call's operand bytes, with cuDNN's heuristics; None: the model's assumption
-            (``memory/cudnn.py``).
+            (``memory/kernels/cudnn.py``).
         conv_workspace_benchmark: the same with ``torch.backends.cudnn.benchmark = True``.
         cudnn_benchmark: the step runs with ``torch.backends.cudnn.benchmark = True`` (``--cudnn-benchmark``;
             the process's own flag counts too), which picks faster convolution engines with larger
@@ -151,7 +151,7 @@ class Device:
     cudnn_benchmark: bool = False
     multiprocessors: int = 0
     """Streaming multiprocessors (``multi_processor_count``): CUDA reductions size their staging by it
-    (``memory/cuda_reduce.py``); 0 for the CPU."""
+    (``memory/kernels/cuda_reduce.py``); 0 for the CPU."""
 
     @property
     def exact(self) -> bool:

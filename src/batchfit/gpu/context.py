@@ -170,7 +170,7 @@ def _stored_profile(
 
 
 def _local_identity() -> Any:
-    from ._cuda import gpu_identity
+    from .real_gpu import gpu_identity
 
     return gpu_identity()
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..memory.allocator import round_size
+from ..memory.allocator.caching import round_size
 from ..memory.categories import Category
 from ..units import GiB, KiB, MiB, format_bytes
 

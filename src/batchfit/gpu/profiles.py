@@ -65,7 +65,7 @@ class ConvMeasurement:
     """``x=NxCxHxW w=KxCxRxS stride=s padding=p groups=g``."""
     dtype: str
     direction: str
-    """``forward``, ``backward data`` or ``backward filter`` (``memory/cudnn.py``)."""
+    """``forward``, ``backward data`` or ``backward filter`` (``memory/kernels/cudnn.py``)."""
     benchmark: bool
     """``torch.backends.cudnn.benchmark`` during the call."""
     operand_bytes: int

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..memory.allocator import AllocatorStats, CachingAllocator
-from ..memory.tracker import StorageTracker
+from ..memory.allocator.caching import AllocatorStats, CachingAllocator
+from ..memory.trace.tracker import StorageTracker
 from ..precision import PrecisionPolicy
 from ..units import format_bytes, parse_bytes
 from .catalog import Device, get_device
@@ -119,7 +119,7 @@ class SimulatedDevice:
         self._handles: dict[int, int] = {}
         self._tracker = _DeviceStorages(self._on_alloc, self._on_free, self._after_op)
         self._stack: contextlib.ExitStack | None = None
-        from ..memory.cuda import CudaKernels
+        from ..memory.kernels.cuda import CudaKernels
 
         # One kernel model for the device's life: its cuBLAS workspaces, once allocated, stay (as on a
         # GPU, where each handle keeps its workspace), however often the device is entered.
@@ -224,7 +224,7 @@ class SimulatedDevice:
         return self._stack is not None
 
     def __enter__(self) -> SimulatedDevice:
-        from ..memory.cuda import cuda_emulation
+        from ..memory.kernels.cuda import cuda_emulation
 
         if self._stack is not None:
             raise RuntimeError("this SimulatedDevice is already entered")

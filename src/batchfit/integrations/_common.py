@@ -79,7 +79,7 @@ def plan_device(device: Any) -> Device:
     if isinstance(device, SimulatedDevice):
         return device.device
     if isinstance(device, str) and device.strip().lower() == "cuda":
-        from ..gpu._cuda import cuda_device
+        from ..gpu.real_gpu import cuda_device
 
         return cuda_device()
     return get_device(device)
@@ -109,7 +109,7 @@ def equal_plan(
         ConfigError: see ``per_rank_share``; a bad device or precision.
         DoesNotFitError: no rung fits one item per process; the message says what one item needs.
     """
-    from ..memory.trace import real_execution
+    from ..memory.trace.fake_step import real_execution
 
     share = per_rank_share(global_batch_size, world_size, framework)
     # Planning takes no device memory: outside any dispatch mode the caller has active (a SimulatedDevice

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpointing import UseReentrant
-from ..checkpointing import model_layers as checkpoint_layers
+from ..activation_checkpointing import UseReentrant
+from ..activation_checkpointing import model_layers as checkpoint_layers
 from ..errors import ConfigError
 from ..sources.optim import construct, quiet_third_party
 from ..workload import Workload
@@ -73,8 +73,8 @@ class TrainerOptimizer:
     ``args.optim``, with weight decay on the parameters it names and none on biases and norms.
 
     Built as ``--optimizer`` builds the same name (``sources/optim.construct``): without third-party
-    chatter, traced as it is or through its stand-in (torchao's, ``memory/lowbit.py``), paged states
-    counted as unified memory on a GPU (``memory/paged.py``).
+    chatter, traced as it is or through its stand-in (torchao's, ``memory/kernels/lowbit.py``), paged states
+    counted as unified memory on a GPU (``memory/kernels/paged.py``).
     """
 
     def __init__(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DoesNotFitError
-from ..train.oom import is_out_of_memory
+from ..train.oom_resplit import is_out_of_memory
 from ._common import equal_plan, largest_divisor_at_most, per_rank_share, require
 
 require("accelerate", "accelerate", "accelerate")

@@ -203,7 +203,7 @@ def training_arguments_planner(path: str | Path) -> Callable[..., Any]:
 
 def _with_layers(workload: Workload) -> Workload:
     """``workload`` whose ``checkpoint_blocks`` are its model's checkpointed layers (found on fake tensors)."""
-    from ..memory.trace import fake_model
+    from ..memory.trace.fake_step import fake_model
 
     return dataclasses.replace(workload, checkpoint_blocks=checkpoint_layers(fake_model(workload)))
 

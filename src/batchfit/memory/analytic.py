@@ -24,7 +24,7 @@ from typing import Any
 
 from ..precision import PrecisionPolicy
 from .categories import Category
-from .trace import MemoryTrace
+from .trace.fake_step import MemoryTrace
 
 
 def _transformer_shape(config: dict[str, Any]) -> tuple[int, int, int, int] | None:

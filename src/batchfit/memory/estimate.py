@@ -7,7 +7,7 @@ Limitations:
       profile measured it or it is overridden (``context_source`` says which); other processes on
       the GPU are not counted.
     - cuDNN convolution workspaces depend on the engine cuDNN picks at run time: they are an
-      assumption (``memory/cudnn.py``) unless a device profile measured them.
+      assumption (``memory/kernels/cudnn.py``) unless a device profile measured them.
     - Compiled regions (``torch.compile``) are traced eagerly: the estimate is that of eager mode.
 """
 
@@ -20,11 +20,11 @@ from itertools import accumulate
 from typing import Any
 
 from ..gpu.catalog import Device
-from .allocator import replay, round_size
+from .allocator.caching import replay, round_size
 from .categories import ORDER, Category
-from .cudnn import WORKSPACE
-from .heap import full_collections_deferred
-from .trace import MemoryTrace
+from .kernels.cudnn import WORKSPACE
+from .trace.fake_step import MemoryTrace
+from .trace.heap import full_collections_deferred
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,12 @@ class Estimate:
     context_assumption: str = ""
     """The context in one line: its size and its source (``Device.describe_context``)."""
     cudnn_workspace_bytes: int = 0
-    """The largest cuDNN convolution workspace of the step (transient; ``memory/cudnn.py``)."""
+    """The largest cuDNN convolution workspace of the step (transient; ``memory/kernels/cudnn.py``)."""
     paged_optimizer_bytes: int = 0
     """Optimizer states in CUDA unified memory (a paged bitsandbytes optimizer on a GPU): outside the
     caching allocator, so in neither ``peak_allocated_bytes`` nor ``peak_reserved_bytes``; held on the GPU
     once touched, so in ``device_total_bytes``. When the GPU fills, the driver moves their pages to host
-    RAM and back: the step slows down instead of failing (``memory/paged.py``). 0 on the CPU, where
+    RAM and back: the step slows down instead of failing (``memory/kernels/paged.py``). 0 on the CPU, where
     paged optimizers are their non-paged selves."""
 
     @property
@@ -266,7 +266,7 @@ def estimate(
             1 by default). Above 1 the gradients of earlier micro-batches are alive through the
             later ones' forward and backward, which can move the peak.
         parallel: a ``ParallelLayout`` (tensor / sequence parallelism, FSDP2): the estimate is then one
-            rank's, its step traced as rank 0 of a fake process group (``memory/parallel.py``); None:
+            rank's, its step traced as rank 0 of a fake process group (``memory/trace/model_parallel.py``); None:
             the workload's own (``Workload.parallel``).
 
     Returns:
@@ -284,7 +284,7 @@ def estimate(
     Limitations:
         See the module docstring: the context, cuDNN workspaces, other processes, compiled regions.
     """
-    from ..checkpointing import checkpoint_classes
+    from ..activation_checkpointing import checkpoint_classes
     from ..gpu.catalog import get_device
     from ..precision import policy_for
 
@@ -310,7 +310,7 @@ def trace_for_device(
     from ..cache import CACHE
 
     if workload.accumulation_steps > 1 and not device.exact:  # the plain step's, a second micro-batch written in
-        from .accumulation import accumulating_trace
+        from .synthesis.accumulation import accumulating_trace
 
         plain = trace_for_device(with_accumulation(workload, 1), batch_size, device, policy, classes, announce)
         accumulating = accumulating_trace(plain)
@@ -352,17 +352,17 @@ def _cache_key(workload: Any, batch_size: int, device: Device, policy: Any, clas
 def _trace_for_device(
     workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace:
-    from .depth import trace_deep
-    from .trace import trace_workload
+    from .synthesis.depth import trace_deep
+    from .trace.fake_step import trace_workload
 
     def trace(depth: Any) -> MemoryTrace:
         if device.exact:
-            from .probe import CpuScratchProbe
+            from .kernels.cpu_probe import CpuScratchProbe
 
             kernels: Any = CpuScratchProbe()
             emulation = None
         else:
-            from .cuda import CudaKernels, cuda_emulation
+            from .kernels.cuda import CudaKernels, cuda_emulation
 
             kernels = CudaKernels(device)
             emulation = cuda_emulation(policy, device.compute_capability)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..checkpointing import checkpoint_classes
+from ..activation_checkpointing import checkpoint_classes
 from ..precision import policy_for
 from ..workload import Workload, model_tensors, optimizer_tensors
 from .steps import build_for_steps, run_workload_steps

@@ -5,7 +5,7 @@ gradients and optimizer states alone exceed a GPU (or a GPU's shard of them) can
 micro-batch, so it is skipped without a trace. The numbers are exact, not a rule of thumb: the model is
 built on fake tensors and the optimizer takes one real ``step()`` on fake zero gradients, so its states
 are the ones it really creates (two per parameter for Adam, one for SGD with momentum, factored ones
-for Adafactor). A deep model is counted as its trace is written (``memory/depth.py``): built without
+for Adafactor). A deep model is counted as its trace is written (``memory/synthesis/depth.py``): built without
 the blocks a cut drops, each of which holds what a kept block of its period holds.
 """
 
@@ -51,10 +51,10 @@ def state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
 
 def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
     from ..errors import BatchfitError, TraceError
-    from .construct import build_fake_model, fake_session, materialize_lazy
-    from .stacks import synthesis_enabled
     from .steps import default_dtype, prefer_foreach
-    from .trace import _make_optimizer
+    from .synthesis.stacks import synthesis_enabled
+    from .trace.construct import build_fake_model, fake_session, materialize_lazy
+    from .trace.fake_step import _make_optimizer
 
     plan = _cut_plan(workload, param_dtype) if synthesis_enabled() else None
     with fake_session():
@@ -93,7 +93,7 @@ def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
 
 
 def _cut_plan(workload: Any, param_dtype: torch.dtype | None) -> Any:
-    from .stackplan import plan_cut
+    from .synthesis.stackplan import plan_cut
 
     plan = plan_cut(workload, param_dtype)
     return plan if plan is not None and plan.stacks else None
@@ -102,7 +102,7 @@ def _cut_plan(workload: Any, param_dtype: torch.dtype | None) -> Any:
 def _repeats(model: Any, plan: Any) -> dict[int, int]:
     """How many times each tensor of the blocks a plan's cut keeps stands for itself: once, and once
     more for each block the cut dropped that repeats it (the middle period's, every written block's)."""
-    from .stacks import _tensors, cut_stacks
+    from .synthesis.stacks import _tensors, cut_stacks
 
     cut_stacks(model, list(plan.stacks))
     out: dict[int, int] = {}

@@ -87,7 +87,7 @@ def run_steps(
         micro_batches: forward + backward passes per optimizer step (gradient accumulation): the
             second and later find the gradients of the earlier ones alive.
         loss_context: factory of a context around each forward and its backward (tensor parallelism's
-            ``loss_parallel``, ``memory/parallel.py``).
+            ``loss_parallel``, ``memory/trace/model_parallel.py``).
     """
     batch = loss = None
     around = loss_context or contextlib.nullcontext
@@ -144,7 +144,7 @@ def build_for_steps(
     ``.to(device)`` makes them; only the values differ, which a memory measurement never reads. It spares
     the CPU initialisation of a model with billions of parameters (minutes).
     """
-    from ..checkpointing import apply_checkpointing
+    from ..activation_checkpointing import apply_checkpointing
     from ..workload import trainable_parameters
 
     if empty_weights and device is None:
@@ -161,7 +161,7 @@ def build_for_steps(
         model = model.to(device)
     apply_checkpointing(model, checkpoint_classes)
     model.train()
-    from .construct import materialize_lazy
+    from .trace.construct import materialize_lazy
 
     with default_dtype(param_dtype):
         materialize_lazy(model, workload, move=(lambda t: t.to(device)) if device is not None else None)
@@ -218,7 +218,7 @@ def _loss_context(workload: Any, model: nn.Module) -> Callable[[], contextlib.Ab
         return None
     from functools import partial
 
-    from .parallel import loss_context, splits_the_loss
+    from .trace.model_parallel import loss_context, splits_the_loss
 
     return partial(loss_context, splits_the_loss(model, layout, workload.tp_plan))
 
@@ -226,7 +226,7 @@ def _loss_context(workload: Any, model: nn.Module) -> Callable[[], contextlib.Ab
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     """Build models and batches in ``dtype`` (how bf16-true training is set up without ``.to()``)."""
-    from .construct import temporarily
+    from .trace.construct import temporarily
 
     if dtype is None:
         yield

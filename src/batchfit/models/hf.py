@@ -229,7 +229,7 @@ def build_model(name: str, fields: dict[str, Any]) -> nn.Module:
 
     spec = SPECS[name]
     config = make_config(spec, fields)
-    from ..memory.construct import buildable_under_fake_mode
+    from ..memory.trace.construct import buildable_under_fake_mode
 
     with buildable_under_fake_mode():
         return getattr(transformers, spec.model_class)(config)

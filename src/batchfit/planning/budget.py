@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..checkpointing import checkpoint_classes
+from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device, get_device
 from ..gpu.simulated import SimulatedDevice
@@ -35,7 +35,7 @@ def device_budget(device: str | Device | SimulatedDevice, margin: float) -> tupl
     if isinstance(device, SimulatedDevice):
         return device.device, int(device.capacity_bytes * (1 - margin))
     if _is_cuda(device):
-        from ..gpu._cuda import cuda_device
+        from ..gpu.real_gpu import cuda_device
 
         dev = cuda_device()
     else:
@@ -65,7 +65,7 @@ def real_step(
     if isinstance(device, SimulatedDevice):
         return lambda workload, batch_size: _simulated_step_fits(workload, batch_size, budget, policy, classes)
     if _is_cuda(device):
-        from ..gpu._cuda import cuda_step_fits
+        from ..gpu.real_gpu import cuda_step_fits
 
         return lambda workload, batch_size: cuda_step_fits(workload, batch_size, policy, classes)
     return None

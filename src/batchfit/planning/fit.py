@@ -4,7 +4,7 @@ two more traces verify. No crash, and on a modelled device the answer is exact:
 
 Other tools find a batch size by crashing: doubling then bisecting (about ``2 log2 N`` real steps) or
 shrinking by 10% after every OOM. Here memory is known as a function of the batch size
-(``memory/scaling.py``), so the search costs replays of the allocator model, not steps. The search
+(``memory/synthesis/scaling.py``), so the search costs replays of the allocator model, not steps. The search
 itself is ``planning/search.py``; this module picks the device, the budget and the means of verification,
 and reports the result. ``maximize="seq_len"`` asks the other question, the longest sequence at a given
 batch, which ``planning/seqlen.py`` answers the same way.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpointing import checkpoint_classes
+from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device
 from ..gpu.simulated import SimulatedDevice
@@ -57,7 +57,7 @@ def fit(
         checkpointing: None, ``"blocks"`` or a list of module classes.
         margin: fraction of the device's memory to leave free (0.1 keeps 10% in reserve).
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
-        shard_over: fit one rank of FSDP over this many GPUs (``memory/sharding.py``).
+        shard_over: fit one rank of FSDP over this many GPUs (``memory/synthesis/sharding.py``).
         verify: trace (or run) the answer and its successor to confirm it; False trusts the line
             drawn through two traces (two trials instead of four; used for a plan's alternatives).
         accumulation_steps: micro-batches per optimizer step (None: the workload's, 1 by default);

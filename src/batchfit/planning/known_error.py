@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..memory.categories import Category
-from ..memory.trace import MemoryTrace
+from ..memory.trace.fake_step import MemoryTrace
 
 
 @dataclass(frozen=True)

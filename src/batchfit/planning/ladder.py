@@ -46,7 +46,7 @@ class _Config:
         return gpus // self.tensor_parallel
 
     def arithmetic_shards(self, gpus: int) -> int:
-        """GPUs FSDP's shards are derived over from a whole step's trace (``memory/sharding.py``): FSDP
+        """GPUs FSDP's shards are derived over from a whole step's trace (``memory/synthesis/sharding.py``): FSDP
         alone; under tensor parallelism one rank's step, FSDP included, is traced instead."""
         return gpus if self.sharded and self.tensor_parallel == 1 else 1
 

@@ -18,7 +18,7 @@ from .ladder import _Config
 def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
     from ..advice.batchnorm import advice_for_layers, layer_facts
     from ..cache import CACHE
-    from ..memory.trace import fake_model
+    from ..memory.trace.fake_step import fake_model
 
     layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
     text = advice_for_layers(layers, micro, global_batch_size, gpus)

@@ -161,12 +161,12 @@ def _may_fit_whole(
 ) -> bool:
     """Whether the plain step of the whole share could fit although the accumulating step at the share
     does not, predicted from the plain steps the accumulating ones were written from where the cache has
-    them (``memory/accumulation.py``; else from the accumulating step less its gradients, alive in it
+    them (``memory/synthesis/accumulation.py``; else from the accumulating step less its gradients, alive in it
     only), with an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
-    from ..checkpointing import checkpoint_classes
+    from ..activation_checkpointing import checkpoint_classes
     from ..memory.estimate import cached_trace, finish_estimate, with_accumulation
-    from ..memory.scaling import TraceLine
     from ..memory.states import state_bytes
+    from ..memory.synthesis.scaling import TraceLine
     from ..precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
@@ -186,7 +186,7 @@ def _may_fit_whole(
             return True
         slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards)
     if shards > 1:
-        from ..memory.sharding import shard_trace
+        from ..memory.synthesis.sharding import shard_trace
 
         trace = shard_trace(trace, shards)
     est = finish_estimate(trace, plain, share, dev, policy, classes)
@@ -245,10 +245,10 @@ def fit_estimate_at(
 ) -> Estimate:  # fmt: skip
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
     that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
+    from ..activation_checkpointing import checkpoint_classes
     from ..cache import CACHE
-    from ..checkpointing import checkpoint_classes
     from ..memory.estimate import finish_estimate, trace_for_device
-    from ..memory.sharding import shard_trace
+    from ..memory.synthesis.sharding import shard_trace
     from ..precision import policy_for
 
     policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)

@@ -27,7 +27,7 @@ from ..memory.estimate import Estimate, _as_workload
 from .ladder import _ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
 from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
-from .parallel import fit_ahead, resolve_workers
+from .workers import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
 
@@ -171,7 +171,7 @@ def plan(
     parameters, gradients and optimizer states alone exceed the GPU is skipped without tracing.
     ``progress`` is called with a short description before each traced step. With ``workers`` > 1
     (default: the cores available, or ``BATCHFIT_WORKERS``), the configurations after the first are
-    fitted at the same time in forked processes (``planning/parallel.py``); the plan is the same.
+    fitted at the same time in forked processes (``planning/workers.py``); the plan is the same.
 
     ``tensor_parallel`` fixes the degree (1: none) and ``sequence_parallel`` fixes sequence parallelism;
     ``gpus_per_node`` bounds the degree (a tensor-parallel group stays inside one node's NVLink).
@@ -338,8 +338,8 @@ def _tensor_parallel_degrees(
             ones), or sequence parallelism asked of a plan outside numbered blocks.
     """
     from ..cache import CACHE
-    from ..memory.tp_plan import degree_error, split_facts
-    from ..memory.trace import fake_model
+    from ..memory.trace.fake_step import fake_model
+    from ..memory.trace.tp_plan import degree_error, split_facts
 
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
         raise ConfigError(f"the tensor-parallel degree must be a whole number >= 1, got {asked!r}")

@@ -1,6 +1,6 @@
 """The search for the largest batch size that fits, given a way to ask whether one does.
 
-Two traces (at batch sizes 2 and 3) draw a line of memory over the batch size (``memory/scaling.py``);
+Two traces (at batch sizes 2 and 3) draw a line of memory over the batch size (``memory/synthesis/scaling.py``);
 the largest batch the line predicts to fit is found by bisection over replays of the allocator model,
 bracketed first by the allocated bytes alone, then settled by ``verify`` (a trace, a real step, or the
 line itself) at the guess and its neighbour. When the step's code depends on the batch size and no
@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from ..errors import ConfigError, DoesNotFitError, TraceError
 from ..gpu.catalog import Device
 from ..memory.estimate import Estimate, finish_estimate, read_peak, trace_for_device
-from ..memory.scaling import TraceLine
-from ..memory.trace import MemoryTrace
+from ..memory.synthesis.scaling import TraceLine
+from ..memory.trace.fake_step import MemoryTrace
 from ..precision import PrecisionPolicy
 from ..units import format_bytes
 
@@ -211,7 +211,7 @@ class _Search:
     def _estimate(self, trace: MemoryTrace, b: int, workload: Any = None) -> Estimate:
         """The estimate of ``trace`` at search point ``b`` (of the searched workload unless ``workload``)."""
         if self.shard_over > 1:
-            from ..memory.sharding import shard_trace
+            from ..memory.synthesis.sharding import shard_trace
 
             trace = shard_trace(trace, self.shard_over)
         return finish_estimate(
@@ -237,7 +237,7 @@ class _Search:
         context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
         trace = line.at(b)
         if self.shard_over > 1:
-            from ..memory.sharding import shard_trace
+            from ..memory.synthesis.sharding import shard_trace
 
             trace = shard_trace(trace, self.shard_over)
         held = read_peak(trace, rounded=not self.device.exact).peak_bytes

@@ -7,7 +7,7 @@ NOTE [ Searching the sequence length ]
 The workload is rebuilt at each length it is traced at (``Workload.at_seq_len``). The longest length
 the model takes is traced first: when it fits, that is the answer, in one trace. Otherwise two more
 lengths (a half and a quarter of it) are traced, and the three traces give every storage's size as a
-polynomial of the length (``memory/scaling.py``, NOTE [ Memory over the sequence length ]): affine
+polynomial of the length (``memory/synthesis/scaling.py``, NOTE [ Memory over the sequence length ]): affine
 where attention keeps no ``T x T`` tensor (CUDA's flash kernels), quadratic where it does. The longest
 length that curve predicts to fit is found by bisection over replays of the allocator model, and the
 guess and its neighbour are traced: five traces when the prediction is right, as it is whenever every
@@ -31,8 +31,8 @@ from ..errors import BatchfitError, ConfigError
 from ..gpu.catalog import Device
 from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import Estimate, check_batch_size, with_accumulation
-from ..memory.scaling import TraceCurve, same_step
-from ..memory.trace import MemoryTrace
+from ..memory.synthesis.scaling import TraceCurve, same_step
+from ..memory.trace.fake_step import MemoryTrace
 from .budget import fit_setting, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
 

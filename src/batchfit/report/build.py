@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, DoesNotFitError
-from ..memory.trace import MemoryTrace
+from ..memory.trace.fake_step import MemoryTrace
 from .figures import (
     Figure,
     estimates_over_batch_sizes,
@@ -103,7 +103,7 @@ def build_report(
         ConfigError: bad sizes, device or precision; only one of ``base_lr`` and ``base_batch_size``;
             matplotlib missing.
     """
-    from ..checkpointing import checkpoint_classes
+    from ..activation_checkpointing import checkpoint_classes
     from ..gpu.catalog import get_device
     from ..memory.estimate import (
         _as_workload,
@@ -112,7 +112,7 @@ def build_report(
         trace_for_device,
         with_accumulation,
     )
-    from ..memory.sharding import shard_trace
+    from ..memory.synthesis.sharding import shard_trace
     from ..planning.plan import plan as make_plan
     from ..precision import policy_for
 

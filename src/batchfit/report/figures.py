@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..memory.allocator import round_size
+from ..memory.allocator.caching import round_size
 from ..memory.categories import ORDER, Category
-from ..memory.trace import MemoryTrace
+from ..memory.trace.fake_step import MemoryTrace
 from ..units import GiB, KiB, MiB, format_bytes
 from .plots import _pyplot, plot_sweep
 
@@ -127,11 +127,11 @@ def estimates_over_batch_sizes(
         wl, dev, policy, classes: the workload, ``Device``, ``PrecisionPolicy`` and checkpointed module
             classes, as ``memory.estimate.trace_for_device`` takes them.
         upper: the largest batch size on the curve.
-        shard_over: estimate one rank of FSDP over this many GPUs (``memory/sharding.py``).
+        shard_over: estimate one rank of FSDP over this many GPUs (``memory/synthesis/sharding.py``).
     """
     from ..memory.estimate import finish_estimate, trace_for_device
-    from ..memory.scaling import TraceLine
-    from ..memory.sharding import shard_trace
+    from ..memory.synthesis.scaling import TraceLine
+    from ..memory.synthesis.sharding import shard_trace
 
     known = {} if known is None else known
 

@@ -3,7 +3,7 @@
 With Liger (``apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)`` and its siblings) or cut
 cross-entropy (``cce_patch``), the model's forward stops at the hidden states and one fused op takes
 the output head's weight and the labels: the logits are never materialised. The workload's loss does
-the same here: the model's body, then the fused loss's stand-in (``memory/fused_loss.py``), with the
+the same here: the model's body, then the fused loss's stand-in (``memory/kernels/fused_loss.py``), with the
 head's weight (a frozen or LoRA-adapted head is read as its base weight, as the patched forward does).
 """
 
@@ -40,7 +40,7 @@ def fused_lm_loss(kind: str, model: nn.Module, batch: Any) -> Any:
     """The loss of ``batch`` as a Liger- or cut-cross-entropy-patched forward computes it: a dict with
     ``labels`` (a transformers model's batch; the loss shifts them), or ``(input_ids, targets)`` with the
     targets already shifted (the presets'; the loss is then ``(loss_sum, n_tokens)``)."""
-    from ..memory.fused_loss import IGNORE_INDEX, cce_loss, liger_loss
+    from ..memory.kernels.fused_loss import IGNORE_INDEX, cce_loss, liger_loss
 
     body, head = _parts(model)
     weight = getattr(head, "base_layer", head).weight  # a LoRA-wrapped head: the patched forward reads its base

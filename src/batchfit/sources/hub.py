@@ -142,7 +142,7 @@ def build_from_config(config: Any, class_name: str) -> nn.Module:
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise ConfigError(f"transformers {transformers.__version__} has no class {class_name}; upgrade transformers")
-    from ..memory.construct import buildable_under_fake_mode
+    from ..memory.trace.construct import buildable_under_fake_mode
 
     with buildable_under_fake_mode():
         return cls(config)
@@ -156,7 +156,7 @@ def config_layers(config: Any, class_name: str) -> tuple[type[nn.Module], ...]:
 
     import torch
 
-    from ..checkpointing import model_layers
+    from ..activation_checkpointing import model_layers
 
     try:
         with torch.device("meta"), warnings.catch_warnings():

@@ -85,7 +85,7 @@ class LoraSpec:
         ``checkpointing.checkpoint_classes`` carries to every place that checkpoints)."""
         if self.reentrant is None:
             return blocks
-        from ..checkpointing import with_reentrant
+        from ..activation_checkpointing import with_reentrant
 
         return with_reentrant(blocks, self.reentrant)
 

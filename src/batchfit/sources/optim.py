@@ -10,8 +10,8 @@ installs it.
 
 The classes are the training's own: a traced step runs them on fake tensors as they are, except
 where one cannot step there (torchao's, whose states are tensor subclasses updated by a compiled
-kernel: see ``memory/lowbit.py``). Paged optimizers' states live in CUDA unified memory on a GPU
-(``memory/paged.py``); on the CPU they are the non-paged ones, as bitsandbytes makes them there.
+kernel: see ``memory/kernels/lowbit.py``). Paged optimizers' states live in CUDA unified memory on a GPU
+(``memory/kernels/paged.py``); on the CPU they are the non-paged ones, as bitsandbytes makes them there.
 
 Example:
     >>> from batchfit.sources.optim import optimizer_factory

@@ -319,7 +319,7 @@ class Accumulator:
     def split(self) -> bool:
         """True when the model's parameters are DTensors of tensor parallelism: every micro-batch is a
         collective of a group's ranks, as under FSDP."""
-        from .parallel import is_split
+        from .tensor_parallel import is_split
 
         return is_split(self.model) and not self.sharded
 

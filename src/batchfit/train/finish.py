@@ -25,7 +25,7 @@ import torch
 
 from ..errors import DoesNotFitError
 from .micro_step import TOKENS
-from .outofmemory import is_out_of_memory, oom_summary
+from .oom_errors import is_out_of_memory, oom_summary
 from .results import StepResult
 from .window_noise import big_batch_sq_norm, measure
 

@@ -15,7 +15,7 @@ holding a ``DTensor``: this rank's 1/W slice along dim 0. Three things follow th
 
 Units: one ``fully_shard`` per block of a numbered container (``layers.3``, ``h.11``; the outermost
 numbered level only), then the root for what remains (embeddings, heads). That is the grouping the
-estimator's FSDP model assumes (``batchfit.memory.sharding.unit_of``), so the plan's memory and the
+estimator's FSDP model assumes (``batchfit.memory.synthesis.sharding.unit_of``), so the plan's memory and the
 run's agree. Gradients are reduce-scattered after every micro-batch (FSDP2 keeps them sharded, which
 is where its memory saving comes from; skipping that sync would keep a full unsharded gradient per
 rank through the window).

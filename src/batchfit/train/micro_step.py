@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, DoesNotFitError
 from .distributed import agree, no_sync_of
-from .outofmemory import MicroBatchOutOfMemory, is_out_of_memory, oom_summary
+from .oom_errors import MicroBatchOutOfMemory, is_out_of_memory, oom_summary
 
 if TYPE_CHECKING:
     from .accumulate import Accumulator
@@ -26,7 +26,7 @@ log = logging.getLogger("batchfit")
 # Under DDP the ranks meet in collectives twice per window: the gradient all-reduce inside the last
 # micro-batch's backward, and the all-reduce of the totals in ``step``. Every other micro-batch runs
 # under ``no_sync``, on this rank alone, so an out-of-memory error there is re-split or redone on this
-# rank alone (``batchfit.train.oom``), while the other ranks wait at their last backward. A rank that
+# rank alone (``batchfit.train.oom_resplit``), while the other ranks wait at their last backward. A rank that
 # cannot go on (one item does not fit) must still tell them, or they would wait in the all-reduce
 # until the process group's timeout. So before the last backward every rank joins one small host-side
 # collective (``distributed.agree``): the failing rank joins it with its error instead of a last
@@ -81,7 +81,7 @@ class MicroStep:
     the caller entered it) and, unless it is the window's last micro-batch, the model's ``no_sync``.
     Leaving it checks that the backward ran, marks the window as needing a ``reset`` if an error
     struck part-way through the backward, and turns an out-of-memory error into a one-line
-    ``MicroBatchOutOfMemory`` (see ``batchfit.train.outofmemory``) saying what still holds.
+    ``MicroBatchOutOfMemory`` (see ``batchfit.train.oom_errors``) saying what still holds.
     """
 
     __slots__ = ("_acc", "n_items", "last", "backward_started", "done", "_stack")

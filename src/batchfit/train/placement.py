@@ -16,7 +16,7 @@ import torch
 from ..batching import Batch, map_tensors
 from ..errors import ConfigError, UnknownNameError
 from ..gpu.simulated import SimulatedDevice
-from .outofmemory import CacheReleaser, CudaCache, NoCache
+from .oom_errors import CacheReleaser, CudaCache, NoCache
 
 
 @dataclasses.dataclass(frozen=True)

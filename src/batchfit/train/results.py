@@ -46,7 +46,7 @@ class StepResult:
     skipped: bool = False
     """True when the fp16 ``GradScaler`` found inf/NaN gradients and skipped the optimizer step."""
     replanned: tuple[Replan, ...] = field(default=())
-    """Re-plans after out-of-memory errors during this step (see ``batchfit.train.oom``)."""
+    """Re-plans after out-of-memory errors during this step (see ``batchfit.train.oom_resplit``)."""
     step: int = 0
     """Index of this optimizer step, from 0."""
     noise_scale: float | None = None

@@ -40,9 +40,9 @@ from .accumulate import Accumulator, StepResult, micro_batch_sizes
 from .auto_plan import make_plan, own_workload, planned_micro_batch_size, planned_splits
 from .distributed import rank, world_size, wrap_model
 from .fsdp import is_sharded
-from .oom import release_memory, run_window
-from .parallel import check_tensor_parallel
+from .oom_resplit import release_memory, run_window
 from .placement import Placement, cuda_profile, placement
+from .tensor_parallel import check_tensor_parallel
 
 LossFn = Callable[[nn.Module, Batch], Any]
 
@@ -59,7 +59,7 @@ class Trainer:
     with a leading batch dimension), splits it into micro-batches (``micro_batch_sizes``: the fewest
     that respect the micro-batch size, sizes differing by at most one), and gives the gradient of the
     whole global batch to one optimizer step. See ``batchfit.train.accumulate`` for the weighting and
-    ``batchfit.train.oom`` for what happens when a micro-batch runs out of memory.
+    ``batchfit.train.oom_resplit`` for what happens when a micro-batch runs out of memory.
 
     Args:
         model: the model, already on ``device`` (a DDP wrapper is fine).
@@ -85,7 +85,7 @@ class Trainer:
             False: off); steps of one micro-batch per rank measure nothing.
         tensor_parallel: under torchrun, split the model across groups of this many consecutive ranks
             (inside a node) by its tensor-parallel plan, FSDP across the groups: the layout
-            ``batchfit.plan`` estimates (``batchfit.train.parallel``). The ranks of a group pass the
+            ``batchfit.plan`` estimates (``batchfit.train.tensor_parallel``). The ranks of a group pass the
             group's share of each global batch to ``step``. With ``micro_batch_size="auto"`` only on the
             CPU (a GPU plan is made before launching: ``batchfit plan --tp N``).
         sequence_parallel: with ``tensor_parallel``, split the blocks' activations along the sequence.
@@ -148,7 +148,7 @@ class Trainer:
             raise ConfigError(f"loss must be a function (model, batch) -> loss, got {type(loss).__name__}")
         self.world_size = world_size()
         self.tensor_parallel = check_tensor_parallel(tensor_parallel, self.world_size)
-        """Processes of one tensor-parallel group (1: none; see ``batchfit.train.parallel``)."""
+        """Processes of one tensor-parallel group (1: none; see ``batchfit.train.tensor_parallel``)."""
         self.sequence_parallel = bool(sequence_parallel) and self.tensor_parallel > 1
         self.data_parallel = self.world_size // self.tensor_parallel
         """Ranks that take different items: the processes, or the tensor-parallel groups."""
@@ -223,7 +223,7 @@ class Trainer:
         """One optimizer step on this rank's share of one global batch.
 
         An out-of-memory error anywhere in the step re-splits the micro-batches (see
-        ``batchfit.train.oom``) or ends in one ``DoesNotFitError`` naming where it struck and what to
+        ``batchfit.train.oom_resplit``) or ends in one ``DoesNotFitError`` naming where it struck and what to
         change; none escapes as a raw ``torch.OutOfMemoryError``.
 
         Raises:
@@ -296,9 +296,9 @@ class Trainer:
             self._splits = splits[self.rank]
 
     def _split(self) -> None:
-        """Tensor parallelism (and FSDP across the groups): ``batchfit.train.parallel``."""
+        """Tensor parallelism (and FSDP across the groups): ``batchfit.train.tensor_parallel``."""
         from ..workload import ParallelLayout
-        from .parallel import data_parallel_group, loss_context, split_model
+        from .tensor_parallel import data_parallel_group, loss_context, split_model
 
         if self._where.simulated is not None:
             raise ConfigError(
@@ -352,7 +352,7 @@ class Trainer:
             in_a_thread=self._where.simulated is not None,
         )
         if getattr(plan, "checkpointing", False):
-            from ..checkpointing import apply_checkpointing, checkpoint_classes
+            from ..activation_checkpointing import apply_checkpointing, checkpoint_classes
 
             classes = checkpoint_classes("blocks", workload.checkpoint_blocks)
             wrapped = apply_checkpointing(self.model, classes)

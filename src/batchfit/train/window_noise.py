@@ -25,7 +25,7 @@ import torch
 
 from ..advice.noise_scale import GradientNoiseScale, grad_sq_norm
 from .distributed import all_reduce_sum
-from .outofmemory import is_out_of_memory, oom_summary
+from .oom_errors import is_out_of_memory, oom_summary
 
 log = logging.getLogger("batchfit")
 

@@ -1,0 +1,455 @@
+"""Making a trace on fake CPU tensors allocate what the same step allocates on a CUDA GPU.
+
+A CPU build of PyTorch cannot fake ``cuda`` tensors, so the step is traced on fake CPU tensors and
+the kernels whose memory differs between the two devices are corrected here, one by one. Each
+correction says why, and ``tests/test_cuda_model.py`` checks each one.
+
+NOTE [ CPU and CUDA kernels that keep different memory ]
+1. Dropout. On the CPU, ``F.dropout`` is composite: it draws a mask in the *input's dtype* and
+   multiplies (``aten/src/ATen/native/Dropout.cpp``, ``_dropout_impl``), so autograd keeps a 4-byte
+   mask per fp32 element. On CUDA it calls the fused ``native_dropout`` whose mask is ``bool`` (1 byte,
+   ``is_fused_kernel_acceptable``). We route dropout to ``native_dropout``: ``F.dropout`` and its kin in
+   Python, and ``aten::dropout`` itself in the dispatcher (a kernel at AutogradCPU), which is what C++
+   callers reach. One such caller is the math path of ``scaled_dot_product_attention``, which CUDA takes
+   for a mask that needs a gradient (T5's learned relative-position bias): its dropout of the B*H*T*T
+   probabilities keeps a 1-byte mask on CUDA (T5-small's step was estimated +10.7% allocated on an
+   H200 with a 4-byte one).
+2. Attention. ``scaled_dot_product_attention`` on the CPU falls back to the math path whenever there
+   is dropout, which materialises the B*H*T*T attention matrix (and its dropout mask) for backward.
+   CUDA's flash / memory-efficient kernels keep only the output and a float32 log-sum-exp of B*H*T,
+   with dropout regenerated from a Philox seed (``sdp_utils.cpp`` selects them for fp16/bf16, and
+   memory-efficient attention for fp32 and arbitrary masks). We route attention to the CPU flash
+   kernel, whose saved tensors have those sizes, with the mask passed through.
+3. Autocast. CUDA's autocast runs a list of ops in float32 (layer_norm, softmax, log_softmax, exp,
+   pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
+   ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
+   half the bytes. We register AutocastCPU kernels that apply CUDA's policy for the ops CPU autocast
+   leaves alone, only for the duration of the trace, each where this torch's AutocastCUDA has a kernel.
+   The reverse holds too: CPU autocast runs ``cross_entropy_loss`` in float32 and CUDA's has no policy
+   for it, so on CUDA it decomposes with autocast on (``log_softmax`` in the logits' dtype, only
+   ``nll_loss``'s input cast to float32); those CPU-only policies are lifted as well (``CPU_ONLY_FP32_OPS``).
+4. cuBLAS workspace. Each cuBLAS handle/stream gets a workspace from the caching allocator on its
+   first GEMM (``CublasHandlePool.cpp``), and training uses two: the forward thread's and the
+   autograd engine's. It stays allocated.
+5. Recurrent layers. On the CPU, ``nn.LSTM``/``GRU``/``RNN`` run oneDNN's ``mkldnn_rnn_layer``, whose
+   meta kernel returns an empty ``workspace``; on CUDA they run ``_cudnn_rnn``, which keeps a cuDNN
+   *reserve space* from the forward to the backward (``aten/src/ATen/native/cudnn/RNN.cpp``: its size
+   is ``cudnnGetRNNTempSpaces``'s reserve, allocated as a byte tensor from the caching allocator and
+   returned for backward). cuDNN does not publish the formula; the reserve holds, for every layer,
+   direction and time step, what backward needs: the gate pre-activations and the hidden and cell
+   states. It is modelled as ``T x B x H x (gates + 2)`` elements of the input's dtype per layer and
+   direction (gates: 4 LSTM, 3 GRU, 1 RNN), kept as long as the CPU kernel's workspace would be.
+   This is an assumption (``batchfit calibrate`` on a GPU checks it), on the side of more memory.
+6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
+   output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
+   which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
+7. cuDNN convolution workspaces. Each cuDNN convolution call takes a workspace from the caching
+   allocator after its output and frees it on return; which calls use cuDNN and how large the
+   workspace is assumed to be are in ``memory/kernels/cudnn.py`` (NOTE [ cuDNN convolution workspaces ]).
+   They are added as transient allocations right after the op's outputs.
+8. Quantised matmuls. bitsandbytes' 4-bit matmul dequantises the whole weight on CUDA (added as the
+   op's transient scratch), and its 8-bit matmul takes another branch on CUDA than on the CPU
+   (``memory/kernels/quantized.py``).
+
+Limitations:
+    A CUDA ``sum``/``mean`` that splits an output's inputs across thread blocks stages partial results in
+    a buffer from the caching allocator (every linear layer's bias gradient: 128 MiB for a [4096, 4096]
+    fp32 one on an H200). ``memory/kernels/cuda_reduce.py`` sizes it as ``Reduce.cuh`` does, to the byte of the
+    recorded streams, but it is not added to the trace yet: its size is not linear in the batch size (none
+    below a threshold, then bounded by the multiprocessors), and ``fit`` draws every storage on a line
+    through two small batches (``memory/synthesis/scaling.py``), so the line must learn the reduction's geometry first.
+    cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
+    (``batchfit calibrate`` folds it into the per-handle workspace); cuDNN's RNN reserve is modelled,
+    its transient workspace is not; cuDNN convolution workspaces are an assumption unless a device
+    profile measured them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...gpu.catalog import Device
+from ...precision import PrecisionPolicy
+from . import cudnn, quantized
+
+# -- 4. cuBLAS workspace ----------------------------------------------------------------------------
+_GEMMS = frozenset(
+    op.default
+    for op in (
+        torch.ops.aten.mm,
+        torch.ops.aten.addmm,
+        torch.ops.aten.bmm,
+        torch.ops.aten.baddbmm,
+        torch.ops.aten.addmv,
+        torch.ops.aten.mv,
+        torch.ops.aten.addbmm,
+    )
+)
+
+
+class _WatchedOps:
+    """The ops ``CudaKernels.after_op`` acts on: GEMMs, cuDNN's, and bitsandbytes' (whichever are loaded)."""
+
+    def __init__(self, ops: frozenset) -> None:
+        self._ops = ops
+
+    def __contains__(self, func: object) -> bool:
+        return func in self._ops or quantized.is_quantized_op(func)
+
+
+class CudaKernels:
+    """The tracer's kernel model for a CUDA device: adds cuBLAS and cuDNN workspaces where CUDA allocates them.
+
+    Args:
+        device: the GPU (its cuBLAS workspace, handles and measured cuDNN workspace ratios).
+        cudnn_flags: ``torch.backends.cudnn``'s settings for the step; default: this process's
+            (``device.cudnn_benchmark`` turns benchmark on as well).
+    """
+
+    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS)
+    """The ops ``after_op`` acts on (the tracer calls it for no other)."""
+
+    def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
+        self.device = device
+        self._handles: set[str] = set()
+        flags = cudnn_flags if cudnn_flags is not None else cudnn.CudnnFlags.current()
+        if device.cudnn_benchmark and not flags.benchmark:
+            flags = dataclasses.replace(flags, benchmark=True)
+        self.cudnn_flags = flags
+        self._conv_ratios = cudnn.ratios_for(device, self.cudnn_flags)
+
+    def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
+        if func in cudnn.OPS:  # NOTE, item 7
+            for call in cudnn.workspaces(func, args, kwargs, self._conv_ratios, self.cudnn_flags):
+                if call.nbytes > 0:
+                    tracer.add_scratch(call.nbytes, call.label, transient=True)
+            return
+        if quantized.is_quantized_op(func):  # NOTE, item 8: alive together inside the op, freed on return
+            sids = [tracer.add_scratch(n, label, transient=False) for n, label in quantized.gemm_4bit_scratch(
+                func, args, kwargs)]  # fmt: skip
+            tracer.free_scratch(reversed(sids))
+            return
+        if func not in _GEMMS:
+            return
+        # The autograd engine runs backward ops on its own thread, with its own cuBLAS handle.
+        in_backward = torch._C._current_autograd_node() is not None
+        handle = "autograd thread" if in_backward else "main thread"
+        if handle in self._handles or len(self._handles) >= self.device.cublas_handles:
+            return
+        self._handles.add(handle)
+        tracer.add_scratch(self.device.cublas_workspace_bytes, f"cuBLAS workspace ({handle})", transient=False)
+
+    def fix_outputs(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Lay out outputs as the CUDA kernel makes them (NOTE, items 5-6)."""
+        if func is _RNN_LAYER:
+            return _with_reserve(args, out)
+        if func is _GROUPED_MM:
+            return _padded_grouped_mm(out)
+        return out
+
+    def finish(self, trace: Any) -> None:
+        return None
+
+
+# -- 5. recurrent layers: cuDNN's reserve space ------------------------------------------------------
+_RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
+_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # cuDNN modes: RNN_RELU, RNN_TANH, LSTM, GRU
+
+
+def cudnn_rnn_reserve_bytes(rows: int, hidden: int, mode: int, itemsize: int) -> int:
+    """The modelled cuDNN reserve of one layer and direction over ``rows`` = time steps x batch (NOTE, item 5)."""
+    return rows * hidden * (_GATES.get(mode, 4) + 2) * itemsize
+
+
+def _with_reserve(args: tuple, out: Any) -> Any:
+    # mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
+    #                  has_biases, bidirectional, batch_first, train) -> (output, hy, cy, workspace)
+    if len(args) < 16 or not args[15] or not isinstance(out, tuple) or len(out) != 4:
+        return out
+    # The layer's input is time-major, (T, B, features), or the (rows, features) of a packed sequence.
+    x, mode, hidden = args[0], args[9], args[10]
+    rows = x.shape[0] * x.shape[1] if x.dim() == 3 else x.shape[0]
+    nbytes = cudnn_rnn_reserve_bytes(rows, hidden, mode, x.element_size())
+    reserve = torch.empty(nbytes, dtype=torch.uint8)
+    return (*out[:3], reserve)
+
+
+# -- 6. grouped GEMM ------------------------------------------------------------------------------------
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
+
+
+def _padded_grouped_mm(out: Any) -> Any:
+    if not isinstance(out, torch.Tensor) or out.dim() not in (2, 3):
+        return out
+    align = max(1, 16 // out.element_size())
+    padded = -(-out.shape[-1] // align) * align
+    if padded == out.shape[-1]:
+        return out
+    stride = [out.shape[1] * padded, padded, 1] if out.dim() == 3 else [padded, 1]
+    return torch.empty_strided(tuple(out.shape), stride, dtype=out.dtype)
+
+
+# -- 1 and 2: dropout and attention ----------------------------------------------------------------
+_DROPOUT_NAMES = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+
+
+def _dropout_like_cuda(orig: Callable) -> Callable:
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    dropout.__wrapped__ = orig  # type: ignore[attr-defined]
+    return dropout
+
+
+def _sdpa_like_cuda(orig: Callable) -> Callable:
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        def generic() -> torch.Tensor:
+            kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
+            return orig(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+
+        if query.dim() != 4 or query.shape[-1] > 256:
+            return generic()
+        q, k, v, mask = query, key, value, attn_mask
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: CUDA kernels take it natively
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if torch.is_autocast_enabled("cpu"):
+            low = torch.get_autocast_dtype("cpu")
+            q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
+        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        try:
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, bool(is_causal), attn_mask=mask, scale=scale
+            )
+        except RuntimeError:  # a layout the CPU kernel refuses: keep the generic path
+            return generic()
+        return out
+
+    scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def _fused_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as CUDA runs it (``Dropout.cpp``: ``native_dropout`` when ``is_fused_kernel_acceptable``)."""
+    if train and 0.0 < p < 1.0 and input.numel() > 0:
+        return torch.native_dropout(input, p, train)[0]
+    return _composite_dropout(input, p, train)
+
+
+def _composite_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as the dispatcher runs it without the override: its C++ composite kernel (not
+    ``OpOverload.decompose``, which prefers torch's Python decomposition, a ``native_dropout`` too)."""
+    op = torch.ops.aten.dropout.default
+    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, input, p, train)
+
+
+def _register_fused_dropout() -> None:
+    from ..trace import overrides
+
+    overrides.register("cuda dropout", "dropout", "AutogradCPU", _fused_dropout, _composite_dropout)
+
+
+@contextlib.contextmanager
+def cuda_kernel_routing() -> Iterator[None]:
+    """Route dropout and attention to kernels whose saved tensors match CUDA's (NOTE, items 1-2).
+
+    The functions are swapped on ``torch.nn.functional`` for the duration, so that calls made at any
+    time inside, including the forward that activation checkpointing recomputes during backward,
+    take the CUDA-like path. Code that bound these functions by name at import time keeps the CPU
+    path (a limitation; all of torch.nn and transformers look them up on the module).
+    """
+    from ..trace import overrides
+
+    _register_fused_dropout()
+    saved = {name: getattr(F, name) for name in (*_DROPOUT_NAMES, "scaled_dot_product_attention")}
+    try:
+        for name in _DROPOUT_NAMES:
+            setattr(F, name, _dropout_like_cuda(saved[name]))
+        F.scaled_dot_product_attention = _sdpa_like_cuda(saved["scaled_dot_product_attention"])
+        with overrides.enabled("cuda dropout"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(F, name, fn)
+
+
+# -- 3. autocast ---------------------------------------------------------------------------------
+# CUDA's autocast ops that run in float32 (autocast_mode.cpp, KERNEL_CUDA(..., fp32)).
+CUDA_FP32_OPS = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+    "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus",
+    "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm",
+    "nuclear_norm.dim", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+    "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist",
+    "cdist", "renorm", "logsumexp", "rms_norm", "upsample_nearest1d", "_upsample_nearest_exact1d",
+    "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
+    "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+)  # fmt: skip
+# Ops CPU autocast runs in float32 and CUDA autocast leaves alone (they run in the dtype they are given):
+# cross-entropy is the one that matters, since CUDA runs it as log_softmax in the logits' dtype and
+# casts only nll_loss's input, so a bf16 LM keeps bf16 log-probabilities and a bf16 gradient of the
+# logits where a CPU trace would keep fp32 ones (an H200 measured the difference, 0.76 GiB for GPT-2
+# small at batch 8). Linear algebra, FFTs and the like, also CPU-only fp32 ops, are left as the CPU
+# runs them: several of their CUDA kernels refuse half precision, so a step that reaches them in bf16
+# fails on a GPU either way. Each is released only where this torch's CUDA autocast has no kernel.
+CPU_ONLY_FP32_OPS = (
+    "cross_entropy_loss", "ctc_loss.IntList", "ctc_loss.Tensor", "multilabel_margin_loss_forward",
+    "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d", "fractional_max_pool2d",
+    "fractional_max_pool3d", "max_unpool2d", "max_unpool3d", "reflection_pad1d", "reflection_pad2d",
+    "replication_pad1d", "replication_pad2d", "replication_pad3d", "grid_sampler_2d", "grid_sampler_3d",
+)  # fmt: skip
+# ... and those that run with dtype=float32 when the caller gave no dtype (fp32_set_opt_dtype).
+CUDA_FP32_OPT_DTYPE_OPS = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
+    "linalg_vector_norm", "linalg_matrix_norm", "sum", "sum.dim_IntList",
+)  # fmt: skip
+
+_LOW = (torch.bfloat16, torch.float16)
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in _LOW:
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_fp32(v) for v in x)
+    return x
+
+
+def _fp32_kernel(op: Any) -> Callable:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
+
+    return kernel
+
+
+def _fp32_opt_dtype_kernel(op: Any) -> Callable:
+    dtype_pos = [i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        given = kwargs.get("dtype")
+        if given is None and dtype_pos and dtype_pos[0] < len(args):
+            given = args[dtype_pos[0]]
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            if given is None and any(isinstance(a, torch.Tensor) and a.dtype in _LOW for a in args):
+                if dtype_pos and dtype_pos[0] < len(args):
+                    args = (*args[: dtype_pos[0]], torch.float32, *args[dtype_pos[0] + 1 :])
+                else:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _overload(qualified: str) -> Any:
+    name, _, overload = qualified.partition(".")
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return None
+    return getattr(packet, overload or "default", None)
+
+
+def _no_policy(op: Any) -> Callable:
+    """What AutocastCPU does for an op it has no kernel for: nothing (the op runs as called)."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _released(op: Any) -> Callable:
+    """An op CUDA autocast has no kernel for, as CUDA dispatches it: a composite op decomposes with autocast
+    still on (``cross_entropy_loss``'s ``nll_loss`` is cast to float32 there), any other runs as called."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(_schema_name(op), "CompositeImplicitAutograd"):
+        return _no_policy(op)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return op.decompose(*args, **kwargs)
+
+    return kernel
+
+
+_CHANGED: list[str] = []
+
+
+def _schema_name(op: Any) -> str:
+    return op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
+
+
+def _register_autocast_policy() -> list[str]:
+    """Register CUDA's policy for the ops CPU autocast leaves alone, and CUDA's absence of one for the ops
+    only CPU autocast runs in float32, once (``memory/trace/overrides.py``)."""
+    from ..trace import overrides
+
+    if _CHANGED:
+        return _CHANGED
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for names, make in ((CUDA_FP32_OPS, _fp32_kernel), (CUDA_FP32_OPT_DTYPE_OPS, _fp32_opt_dtype_kernel)):
+        for qualified in names:
+            op = _overload(qualified)
+            if op is None or not has(_schema_name(op), "AutocastCUDA") or has(_schema_name(op), "AutocastCPU"):
+                continue  # not in this torch's CUDA list; or CPU autocast has a policy too (float32): the CPU's
+            overrides.register("cuda autocast", qualified, "AutocastCPU", make(op), _no_policy(op))
+            _CHANGED.append(qualified)
+    for qualified in CPU_ONLY_FP32_OPS:
+        op = _overload(qualified)
+        if op is None or not has(_schema_name(op), "AutocastCPU") or has(_schema_name(op), "AutocastCUDA"):
+            continue
+        # Outside CUDA traces the CPU's own policy stands: the fallback is that policy (float32).
+        overrides.register("cuda autocast", qualified, "AutocastCPU", _released(op), _fp32_kernel(op))
+        _CHANGED.append(qualified)
+    return _CHANGED
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy() -> Iterator[list[str]]:
+    """While active, CPU autocast casts like CUDA autocast (NOTE, item 3); yields the ops changed."""
+    from ..trace import overrides
+
+    changed = _register_autocast_policy()
+    with overrides.enabled("cuda autocast"):
+        yield list(changed)
+
+
+def cuda_emulation(
+    policy: PrecisionPolicy, capability: tuple[int, int] = (8, 0)
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context that makes a fake-CPU trace allocate like CUDA (NOTE, items 1-3 and 8) on a
+    GPU of ``capability`` (which some libraries' branches read: ``memory/kernels/fused_loss.py``)."""
+    from .fused_loss import target_capability
+
+    @contextlib.contextmanager
+    def emulate() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if policy.autocast_dtype is not None:
+                stack.enter_context(cuda_autocast_policy())
+            stack.enter_context(cuda_kernel_routing())
+            stack.enter_context(quantized.cuda_int8_matmul())
+            stack.enter_context(target_capability(capability))
+            yield
+
+    return emulate

@@ -1,0 +1,172 @@
+"""The staging buffer a CUDA reduction takes from the caching allocator when blocks split an output's inputs.
+
+NOTE [ CUDA reduction staging ]
+Source: PyTorch's ``aten/src/ATen/native/cuda/Reduce.cuh`` (``setReduceConfig``, ``ReduceConfig``,
+``get_output_vec_size``, ``gpu_reduce_kernel``), which ``sum``, ``mean`` and the other TensorIterator
+reductions run on CUDA. When each output has many inputs and there are few outputs, the kernel splits an
+output's inputs across thread blocks (``ctas_per_output``) and combines their partial results through
+global memory: ``gpu_reduce_kernel`` allocates ``global_memory_size()`` bytes of staging and
+``semaphore_size()`` bytes of semaphores from the caching allocator, in that order, after the output
+exists, and frees both (semaphores first) when it returns. The CPU runs the same reduction with no such
+buffer, so a trace on the CPU misses it.
+
+It matters for the bias gradient of every linear layer: ``grad.sum(0)`` over (tokens, features) has few
+outputs and many inputs per output. On an H200 (132 multiprocessors) a [4096, 4096] fp32 column sum stages
+128 MiB; ViT-base's fc1 bias gradient (6304 tokens x 3072, bf16) 132 MiB and fc2's (x 768) 37.125 MiB, as
+the recorded allocator streams show (``benchmarks/results/snapshots-H200-2026-11-26``): transient, but at
+the start of backward, where the peak is, they are on top of everything kept.
+
+The geometry follows ``TensorIterator``: reduced dimensions first, each group ordered by stride (fastest
+first) and coalesced where contiguous; then ``setReduceConfig``'s choices, which depend on the GPU's
+multiprocessor count and threads per multiprocessor (``Device.multiprocessors``,
+``gpu.catalog.threads_per_multiprocessor``). Modelled: ``sum.dim_IntList`` and ``mean.dim``, for inputs that
+``TensorIterator`` indexes with 32 bits (larger ones are split into sub-iterators, not modelled).
+
+Not in the trace yet (``memory/kernels/cuda.py``'s limitations): the size is not linear in the batch size (nothing
+below a threshold of inputs per output, then ``ctas_per_output`` bounded by the multiprocessors, then growing
+again), while ``fit`` extends every storage along a line through two small batches; the line has to carry
+the reduction's geometry before the buffer can join the estimate without making fit and estimate disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_SUM = torch.ops.aten.sum.dim_IntList
+_MEAN = torch.ops.aten.mean.dim
+OPS = frozenset({_SUM, _MEAN})
+"""The traced ops whose CUDA kernel is ``gpu_reduce_kernel`` with a staging buffer to model."""
+
+MAX_NUM_THREADS = 512
+"""``mnt_wrapper<scalar_t>::MAX_NUM_THREADS`` (256 only for complex128)."""
+INPUT_VEC_SIZE = 4
+VT0 = 4
+WARP = 32
+MIN_VALUES_PER_THREAD, MAX_VALUES_PER_THREAD = 16, 256
+_INT32_MAX = 2**31 - 1
+
+
+def _div_up(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (max(n, 1).bit_length() - 1))
+
+
+def staging_bytes(func: Any, args: tuple, kwargs: dict, multiprocessors: int, threads_per_mp: int
+                  ) -> tuple[int, int]:  # fmt: skip
+    """The ``(global_memory_size, semaphore_size)`` the CUDA kernel of ``func`` allocates: ``(0, 0)`` when it
+    reduces within blocks, or the op is not one modelled (NOTE [ CUDA reduction staging ])."""
+    if func not in OPS or not args or not isinstance(args[0], torch.Tensor) or multiprocessors <= 0:
+        return 0, 0
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+    if x.numel() == 0 or x.is_complex() or (dtype is not None and dtype.is_complex):
+        return 0, 0
+    geometry = _iterator(x, dims)
+    if geometry is None:
+        return 0, 0
+    shape, strides, num_reduce = geometry
+    out = dtype or (x.dtype if x.is_floating_point() else torch.int64)
+    acc = 4 if out in (torch.float32, torch.float16, torch.bfloat16) else 8  # arg_t: float for half/bf16
+    return _config(shape, strides, num_reduce, x.element_size(), acc, x.storage_offset(), multiprocessors,
+                   threads_per_mp)  # fmt: skip
+
+
+def _iterator(x: torch.Tensor, dims: Any) -> tuple[list[int], list[int], int] | None:
+    """``TensorIterator``'s shape and input strides (bytes) for reducing ``x`` over ``dims``: reduced
+    dimensions first, fastest first, coalesced; None when it would need 64-bit indexing."""
+    nd = x.dim()
+    reduced = set(range(nd)) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else {
+        d % nd for d in ([dims] if isinstance(dims, int) else dims)}  # fmt: skip
+    item = x.element_size()
+    span = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.stride(), strict=True)) * item
+    if span > _INT32_MAX or x.numel() > _INT32_MAX:  # can_use_32bit_indexing
+        return None
+    kept = [d for d in range(nd) if x.shape[d] != 1]
+    order = sorted(kept, key=lambda d: (d not in reduced, x.stride(d), -d))
+    shape: list[int] = []
+    strides: list[int] = []
+    kinds: list[bool] = []
+    for d in order:
+        size, stride, is_reduced = x.shape[d], x.stride(d) * item, d in reduced
+        if shape and kinds[-1] == is_reduced and stride == shape[-1] * strides[-1]:
+            shape[-1] *= size
+            continue
+        shape.append(size)
+        strides.append(stride)
+        kinds.append(is_reduced)
+    return shape, strides, sum(kinds)
+
+
+def _config(shape: list[int], strides: list[int], num_reduce: int, item: int, acc: int, offset: int,
+            multiprocessors: int, threads_per_mp: int) -> tuple[int, int]:  # fmt: skip
+    """``setReduceConfig`` and the two sizes ``gpu_reduce_kernel`` allocates with it."""
+    ndim = len(shape)
+    num_outputs = 1
+    for s in shape[num_reduce:]:
+        num_outputs *= s
+    inputs = 1
+    for s in shape[:num_reduce]:
+        inputs *= s
+    if ndim > 0:
+        fastest = num_reduce == ndim or strides[0] < strides[num_reduce]
+        if fastest:
+            dim0, dim1, moving = inputs, num_outputs, strides[0]
+        else:
+            dim0, dim1, moving = num_outputs, inputs, strides[num_reduce]
+    else:
+        fastest, dim0, dim1, moving = True, 1, 1, item
+    output_vec = 1
+    if moving == item:
+        if fastest and dim0 > 128 and num_reduce == 1 and VT0 >= INPUT_VEC_SIZE:
+            dim0 //= INPUT_VEC_SIZE
+        elif not fastest:
+            output_vec = _output_vec_size(shape, strides, num_reduce, item, offset)
+            dim0 //= output_vec
+    # set_block_dimension
+    max_threads = MAX_NUM_THREADS // output_vec
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(dim0_pow2, WARP)
+    height = min(dim1_pow2, max_threads // width)
+    width = min(dim0_pow2, max_threads // height)
+    threads = width * height
+    step_input = step_output = 1
+    block_x_reduce = ndim == 0 or fastest
+    if block_x_reduce:
+        step_input *= width
+    else:
+        step_output *= width
+    split_warps = _div_up(inputs, step_input) >= min(height * 16, MAX_VALUES_PER_THREAD)
+    if split_warps:
+        step_input *= height
+    else:
+        step_output *= height
+    target_grid = multiprocessors * (threads_per_mp // threads)
+    grid_x = _div_up(num_outputs // output_vec, step_output)
+    values = _div_up(inputs, step_input)
+    if not (split_warps and values >= MAX_VALUES_PER_THREAD and grid_x <= target_grid):
+        return 0, 0
+    ctas = max(min(_div_up(target_grid, grid_x), _div_up(values, MIN_VALUES_PER_THREAD)),
+               _div_up(values, MAX_VALUES_PER_THREAD))  # fmt: skip
+    if ctas <= 1:
+        return 0, 0
+    size = acc * num_outputs * ctas
+    if not block_x_reduce:
+        size *= width * output_vec
+    return size, 4 * grid_x
+
+
+def _output_vec_size(shape: list[int], strides: list[int], num_reduce: int, item: int, offset: int) -> int:
+    """``get_output_vec_size``: 4, halved until the input's offset, the first output dimension and every other
+    input stride (in elements) divide by it."""
+    vec = 4
+    for n in (offset, shape[num_reduce], *(s // item for j, s in enumerate(strides) if j != num_reduce)):
+        while n % vec:
+            vec //= 2
+    return vec

@@ -1,0 +1,183 @@
+"""A deep model's trace written from a trace of the same step with its stacks cut to four periods.
+
+NOTE [ Depth synthesis ]
+A trace costs time in proportion to the model's depth, and most models repeat one block N times: the
+same ops on the same shapes, the same parameter, gradient and optimizer-state storages, the same
+activations kept for backward. So the step is traced with every stack (``memory/synthesis/stacks.py``) cut to
+four periods of its repeating blocks (four blocks, or eight where layers alternate in pairs: the first
+three periods and the last), each event labelled with the block it belongs to
+(``memory/synthesis/blocklabels.py``), read (``memory/synthesis/sweeps.py``) and written at full depth
+(``memory/synthesis/fulldepth.py``):
+wherever the cut step sweeps over the blocks (a forward, a backward in reverse, the parameters'
+registration, each of the optimizer's loops, ``zero_grad``), the missing blocks' events are written
+between the third period and the last, each block's as the two middle periods' are, with fresh
+storages; a storage a block frees of another block is that block's neighbour at the same distance.
+The allocator model then replays it as any trace: nothing downstream knows.
+
+What it assumes, and checks on the cut trace before it is used:
+
+* the blocks between the ends repeat: the events of the two middle periods' blocks (consecutive blocks
+  of the model) are equal, phase by phase, up to storage identity (sizes, roles, ops, modules, rows,
+  gradient hand-overs, FLOPs, notes), but for what each reads of the end next to it; the ends (the
+  first and the last period) may differ, and are kept as they are;
+* every event of a sweep belongs to one block's turn, in order, with nothing of the other parts between
+  two blocks but the loop's own work, alike between every two of them and without floating-point work
+  (a layer-drop draw before each block, freeing the one before it), which is written with the block
+  after it; an op outside the blocks never computes one tensor from several of them (a loss over
+  every layer's router logits has the depth in its size);
+* the forward does not depend on a block's index other than by a period (which the two consecutive
+  middle periods show), on the number of blocks, or on one block in the middle of the stack being
+  special; the model reaches its blocks through their container (a block cut away raises if called).
+
+A trace that fails a check, or a step that fails cut, is traced at full depth and the estimate's notes
+say why; so is a model whose container of like blocks, holding most of its parameters, is not a stack
+(blocks that differ in shape, share parameters, or are uninitialised). ``tests/test_depth.py`` compares
+the written traces with real full-depth ones, event for event, across the zoo.
+``BATCHFIT_DEPTH_SYNTHESIS=0`` turns it off.
+
+A trace does not depend on what the process ran before: TorchScript functions, whose executor runs a
+function's first call through another plan than the later ones, are traced through the same plan on
+every call (``memory/trace/construct.py``), so a stack's first block is traced as the others are.
+
+On the CPU the trace measures real kernels' scratch per op signature (``memory/kernels/cpu_probe.py``); the blocks
+a trace leaves out run the signatures of those it keeps, so the written trace is the CPU's as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..trace.tracer import MemoryTrace
+from .fulldepth import write_full_depth
+from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks, synthesis_enabled
+from .sweeps import Irregular
+
+__all__ = ["STATS", "DepthCut", "synthesis_enabled", "trace_deep"]
+
+
+@dataclass
+class DepthStats:
+    """What the traces of this process did (for benchmarks and curiosity)."""
+
+    blocks_traced: int = 0
+    """Repeating blocks that ran in traced steps."""
+    blocks_written: int = 0
+    """Repeating blocks the traces stand for (traced + written)."""
+    traces_written: int = 0
+    """Traces written at full depth from a cut one."""
+    full_depth: list[str] = field(default_factory=list)
+    """Why a trace that could have been cut was traced at full depth."""
+
+
+STATS = DepthStats()
+
+
+class DepthCut:
+    """The cut of one traced model: its stacks, and the recorder that labels its trace's events.
+
+    ``trace_workload`` calls ``prepare`` before it builds the model (the stacks known from a build on
+    the ``meta`` device: ``memory/synthesis/stackplan.py``), builds it inside ``building()`` (the blocks the cut
+    drops built empty), and calls ``apply`` on the built model before it makes the optimizer; when a
+    stack was cut, ``recorder`` is the ``BlockRecorder`` to give the ``Tracer``.
+    """
+
+    def __init__(self) -> None:
+        self.stacks: list[Stack] = []
+        self.reasons: list[str] = []
+        self.recorder: Any = None
+        self.root = ""
+        self.plan: Any = None
+
+    def prepare(self, workload: Any, param_dtype: Any) -> None:
+        """Know the model's stacks before it is built, where a build on ``meta`` shows them."""
+        from .stackplan import plan_cut
+
+        self.plan = plan_cut(workload, param_dtype)
+
+    def building(self) -> contextlib.AbstractContextManager:
+        """The context to build the model in: the dropped blocks constructed empty, as planned."""
+        return self.plan.skipping() if self.plan is not None else contextlib.nullcontext()
+
+    def built_as_planned(self, model: nn.Module) -> bool:
+        """Whether the model built in ``building()`` is as planned (else: build it again, whole)."""
+        return self.plan is None or self.plan.built_as_planned(model)
+
+    def plan_failed(self, workload: Any, param_dtype: Any) -> None:
+        """The build did not go as planned: build this workload's model whole, now and from now on."""
+        from .stackplan import plan_failed
+
+        self.plan = None
+        plan_failed(workload, param_dtype)
+
+    def apply(self, model: nn.Module) -> None:
+        """Find ``model``'s stacks (or take the plan's) and cut each to four periods of its blocks."""
+        from .blocklabels import BlockRecorder, block_labels
+
+        if self.plan is not None:
+            self.stacks, self.reasons = list(self.plan.stacks), list(self.plan.reasons)
+        else:
+            self.stacks, self.reasons = find_stacks(model)
+        if not self.stacks:
+            return
+        cut_stacks(model, self.stacks)
+        self.root = type(model).__name__
+        prefixes = {}
+        for s, stack in enumerate(self.stacks):
+            for b in range(stack.kept):
+                index = stack.start + b
+                prefixes[f"{stack.path}.{index}" if stack.path else str(index)] = (s, b)
+        modules, tensors = block_labels(model, self.root, prefixes)
+        self.recorder = BlockRecorder(modules, tensors)
+
+
+def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
+    """The full-depth trace of a step: ``trace(cut)`` traces it cut (``cut.apply`` on the model) and it
+    is written at full depth, or ``trace(None)`` traces it as it is (see the NOTE)."""
+    if not synthesis_enabled():
+        return trace(None)
+    cut = DepthCut()
+    try:
+        shallow = trace(cut)
+    except Exception as e:  # noqa: BLE001 - a cut step that fails is traced whole (which raises if it must)
+        if not cut.stacks:
+            raise
+        reason = f"the step failed with its stacks cut ({_why(e)})"
+        return _full_depth(trace, reason)
+    if not cut.stacks:
+        for reason in cut.reasons:
+            shallow.notes.append(f"traced at full depth (no depth synthesis): {reason}")
+        return shallow
+    try:
+        labels = cut.recorder.labels(shallow)
+        if labels.mixed:
+            raise Irregular(labels.mixed)
+        full = write_full_depth(shallow, labels, cut.stacks, cut.root)
+    except Irregular as e:
+        return _full_depth(trace, str(e))
+    except Exception as e:  # noqa: BLE001 - writing the full depth failed: the step is traced whole instead
+        return _full_depth(trace, f"writing the full depth failed ({_why(e)})")
+    STATS.blocks_traced += sum(s.kept for s in cut.stacks)
+    STATS.blocks_written += sum(s.length for s in cut.stacks)
+    STATS.traces_written += 1
+    full.notes.extend(f"traced at full depth (no depth synthesis): {r}" for r in cut.reasons)
+    return full
+
+
+def _why(e: Exception) -> str:
+    from ...errors import first_line
+
+    if isinstance(e.__cause__, BlockCalledAfterCut):
+        e = e.__cause__
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def _full_depth(trace: Callable[[DepthCut | None], MemoryTrace], reason: str) -> MemoryTrace:
+    STATS.full_depth.append(reason)
+    full = trace(None)
+    full.notes.append(f"traced at full depth (no depth synthesis): {reason}")
+    return full

@@ -1,0 +1,199 @@
+"""A model's stacks known before it is built on fake tensors, so that the blocks a cut drops are never built.
+
+Building a deep model on fake tensors costs time per block (a 70B model's 80 layers take a few
+tenths of a second), and the cut (``memory/synthesis/stacks.py``) then throws most of them away. So the model is
+first built on the ``meta`` device, where building costs little, and its stacks found there; each
+block's place in the order modules are constructed is noted. The fake build then constructs the blocks
+the cut would drop as empty placeholders (the block class's ``__init__`` skipped for those), and the
+cut removes them as it would have removed the real ones. The plan is kept per workload for the
+process.
+
+It is only a shortcut: the fake build is checked against the plan (a placeholder exactly where a
+dropped block was, each kept block the same as on ``meta``), and a model whose construction does not
+follow it (a constructor that reads its blocks' attributes, a meta build that fails) is built whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .stacks import Stack, block_signatures, find_stacks
+
+__all__ = ["CutPlan", "plan_cut", "plan_failed"]
+
+_PLACEHOLDER = "_batchfit_placeholder"
+
+
+@dataclass(frozen=True)
+class CutPlan:
+    """The stacks of a model as its meta build showed them, and which constructions to skip."""
+
+    stacks: tuple[Stack, ...]
+    reasons: tuple[str, ...]
+    skip: tuple[tuple[type, frozenset[int]], ...]
+    """Per block class: the ordinals (among its instances, in construction order) of dropped blocks."""
+    kept: tuple[tuple[Any, ...], ...]
+    """Per stack: the signatures of the blocks the cut keeps (``stacks.block_signatures``)."""
+
+    @contextlib.contextmanager
+    def skipping(self) -> Iterator[None]:
+        """While building: the dropped blocks' classes construct those instances as empty modules."""
+        saved = []
+        for cls, ordinals in self.skip:
+            own = cls.__dict__.get("__init__")
+            saved.append((cls, own))
+            cls.__init__ = _skipping_init(cls, cls.__init__, ordinals)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for cls, own in reversed(saved):
+                if own is None:
+                    del cls.__init__
+                else:
+                    cls.__init__ = own  # type: ignore[method-assign]
+
+    def built_as_planned(self, model: nn.Module) -> bool:
+        """Whether ``model`` holds placeholders exactly where dropped blocks are, and kept blocks as planned."""
+        for stack, signatures in zip(self.stacks, self.kept):
+            try:
+                container = model.get_submodule(stack.path) if stack.path else model
+            except AttributeError:
+                return False
+            blocks = list(container._modules.values())
+            if len(blocks) != stack.size:
+                return False
+            dropped = range(stack.start + stack.written_from, stack.start + stack.written_from + stack.inserted)
+            kept = [b for i, b in enumerate(blocks) if i not in dropped]
+            if any(_is_placeholder(b) for b in kept) or not all(_is_placeholder(blocks[i]) for i in dropped):
+                return False
+            if block_signatures(kept) != signatures:
+                return False
+        return True
+
+
+def _is_placeholder(module: Any) -> bool:
+    return isinstance(module, nn.Module) and module.__dict__.get(_PLACEHOLDER, False)
+
+
+def _skipping_init(cls: type, init: Any, ordinals: frozenset[int]) -> Any:
+    count = [0]
+
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if type(self) is cls:
+            n = count[0]
+            count[0] += 1
+            if n in ordinals:
+                nn.Module.__init__(self)
+                object.__setattr__(self, _PLACEHOLDER, True)
+                return
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+class _values_not_written(TorchFunctionMode):  # noqa: N801 - used as a context, like torch.device
+    """Initialisers that write values into a ``meta`` tensor return it as it is: it has no values, so
+    they would only cost the time of their decompositions (a third of a deep model's meta build)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _VALUE_WRITES:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+_VALUE_WRITES = frozenset(
+    [getattr(torch.Tensor, name) for name in ("uniform_", "normal_", "zero_", "fill_", "erfinv_", "mul_", "add_",
+                                              "clamp_", "copy_", "exponential_", "log_normal_", "bernoulli_",
+                                              "random_", "fill_diagonal_") if hasattr(torch.Tensor, name)]
+    + [getattr(torch.nn.init, name) for name in ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
+                                                 "zeros_", "eye_", "dirac_", "xavier_uniform_", "xavier_normal_",
+                                                 "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+       if hasattr(torch.nn.init, name)]
+)  # fmt: skip
+"""Tensor methods and ``torch.nn.init`` functions that change a tensor's values only (never its shape,
+dtype or device) and return it."""
+
+
+_PLANS: dict[tuple[str, str], CutPlan | None] = {}
+
+
+def _key(workload: Any, param_dtype: torch.dtype | None) -> tuple[str, str] | None:
+    from ...cache import Uncacheable, workload_digest
+
+    try:
+        return workload_digest(workload, param_dtype), str(param_dtype)
+    except Uncacheable:
+        return None
+
+
+def plan_failed(workload: Any, param_dtype: torch.dtype | None) -> None:
+    """The fake build did not go as planned: build ``workload``'s model whole from now on."""
+    key = _key(workload, param_dtype)
+    if key is not None:
+        _PLANS[key] = None
+
+
+def plan_cut(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
+    """The cut of ``workload``'s model, from a build on the ``meta`` device (None: no factory to build,
+    or it cannot be built there); kept per workload for the process."""
+    if isinstance(workload.model, nn.Module):
+        return None
+    key = _key(workload, param_dtype)
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    plan = _plan(workload, param_dtype)
+    if key is not None:
+        _PLANS[key] = plan
+    return plan
+
+
+def _plan(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
+    from ..steps import default_dtype
+    from ..trace.construct import fake_construction
+
+    order: dict[int, tuple[type, int]] = {}
+    counts: dict[type, int] = {}
+    original = nn.Module.__init__
+
+    def counting_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if id(self) not in order:
+            n = counts.get(type(self), 0)
+            counts[type(self)] = n + 1
+            order[id(self)] = (type(self), n)
+        original(self, *args, **kwargs)
+
+    nn.Module.__init__ = counting_init  # type: ignore[method-assign]
+    try:
+        with torch.device("meta"), default_dtype(param_dtype), fake_construction(fakes=False), _values_not_written(), \
+                warnings.catch_warnings():  # fmt: skip
+            warnings.simplefilter("ignore")
+            model = workload.build_model()
+    except Exception:  # noqa: BLE001 - a constructor meta refuses: the model is built whole on fake tensors
+        return None
+    finally:
+        nn.Module.__init__ = original  # type: ignore[method-assign]
+    stacks, reasons = find_stacks(model)
+    skip: dict[type, set[int]] = {}
+    kept = []
+    for stack in stacks:
+        container = model.get_submodule(stack.path) if stack.path else model
+        blocks = list(container._modules.values())
+        first = stack.start + stack.written_from
+        for block in blocks[first : first + stack.inserted]:
+            cls, n = order.get(id(block), (None, -1))
+            if cls is not type(block):
+                return None
+            skip.setdefault(cls, set()).add(n)
+        kept.append(block_signatures(blocks[:first] + blocks[first + stack.inserted :]))
+    return CutPlan(tuple(stacks), tuple(reasons), tuple((c, frozenset(n)) for c, n in skip.items()), tuple(kept))
