@@ -435,7 +435,7 @@ def _profiled(device: Any, profile_path: str | None) -> Any:
     """``device`` with the device profile at ``profile_path`` applied (None without a profile)."""
     if not profile_path:
         return None
-    from batchfit import profiles
+    from batchfit.gpu import profiles
 
     return profiles.load(profile_path).apply(device, profile_path)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from gpu_fakes import H100, H100_TOTAL, PER_HANDLE, FakeCuda, FakeGpu, FakeNvml, this_pid
 
-from batchfit import calibrate
 from batchfit.errors import NoGpuError
+from batchfit.gpu import calibrate
 from batchfit.gpu.calibrate import QUICK_SHAPES, SHAPES, ConvShape, TorchGpu, calibrate_device, measure_transient
 from batchfit.gpu.catalog import ConvWorkspace
 from batchfit.memory.kernels.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD

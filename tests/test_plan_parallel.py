@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 import batchfit
-from batchfit import plan_parallel, presets
+from batchfit import presets
 from batchfit.cache import CACHE
 from batchfit.errors import ConfigError
+from batchfit.planning import workers
 
 WL = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)
 
@@ -88,8 +89,8 @@ def test_a_child_that_hangs_is_stopped_and_the_plan_fits_its_configurations(
     serial: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _in_children_only(monkeypatch, lambda: time.sleep(3600))
-    monkeypatch.setattr(plan_parallel, "MIN_WAIT_S", 1.0)
-    monkeypatch.setattr(plan_parallel, "CHILD_PATIENCE", 0.0)
+    monkeypatch.setattr(workers, "MIN_WAIT_S", 1.0)
+    monkeypatch.setattr(workers, "CHILD_PATIENCE", 0.0)
     start = time.monotonic()
     plan, traced, _ = _plan(tmp_path, monkeypatch, workers=2)
     assert (plan, traced) == serial[:2]
@@ -98,7 +99,7 @@ def test_a_child_that_hangs_is_stopped_and_the_plan_fits_its_configurations(
 
 def test_nothing_is_forked_without_a_disk_cache_to_bring_answers_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHFIT_CACHE", "0")
-    with plan_parallel.fit_ahead(WL, ["a", "b", "c"], 4, lambda config: None) as ahead:
+    with workers.fit_ahead(WL, ["a", "b", "c"], 4, lambda config: None) as ahead:
         assert ahead.children == 0
 
 
@@ -110,13 +111,13 @@ def test_workers_must_be_a_whole_number(bad: Any) -> None:
 
 def test_workers_default_to_the_environment_then_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHFIT_WORKERS", "3")
-    assert plan_parallel.resolve_workers(None) == 3
+    assert workers.resolve_workers(None) == 3
     monkeypatch.setenv("BATCHFIT_WORKERS", "many")
     with pytest.raises(ConfigError, match="BATCHFIT_WORKERS"):
-        plan_parallel.resolve_workers(None)
+        workers.resolve_workers(None)
     monkeypatch.delenv("BATCHFIT_WORKERS")
-    assert plan_parallel.resolve_workers(None) >= 1
-    assert plan_parallel.resolve_workers(2) == 2
+    assert workers.resolve_workers(None) >= 1
+    assert workers.resolve_workers(2) == 2
 
 
 class _BlockedStream:

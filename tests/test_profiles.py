@@ -11,9 +11,10 @@ import torch
 from gpu_fakes import H100, H100_TOTAL, PER_HANDLE, FakeGpu
 
 import batchfit
-from batchfit import Workload, profiles
+from batchfit import Workload
 from batchfit.cli import main
 from batchfit.errors import ConfigError, ProfileError
+from batchfit.gpu import profiles
 from batchfit.gpu.calibrate import calibrate_device
 from batchfit.gpu.catalog import CONTEXT_BYTES, EAGER_CONTEXT_BYTES, get_device
 from batchfit.gpu.context import detect_module_loading, resolve_device

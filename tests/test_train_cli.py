@@ -136,3 +136,12 @@ def test_help_comes_from_the_docstring() -> None:
     assert result.exit_code == 0
     assert "Train a preset on deterministic synthetic data" in result.stdout
     assert "--global-batch-size" in result.stdout and "--micro-batch-size" in result.stdout
+
+
+def test_a_resume_with_no_step_left_says_so_in_one_line(tmp_path: Path) -> None:
+    ck = tmp_path / "ck.pt"
+    args = ("mlp", "--global-batch-size", "8", "--micro-batch-size", "4", "--steps", "2", "--checkpoint", str(ck))
+    assert invoke(*args).exit_code == 0
+    again = invoke(*args)
+    assert again.exit_code == 0, (again.output, again.exception)
+    assert "already at step 2; nothing left to run" in again.output

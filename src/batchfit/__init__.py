@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "SweepResult": ".planning.sweep",
     "TraceError": ".errors",
     "Trainer": ".train.trainer",
+    "TrainingRun": ".train.synthetic",
     "UnknownNameError": ".errors",
     "Workload": ".workload",
     "estimate": ".memory.estimate",
@@ -40,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "plan": ".planning.plan",
     "scale_lr": ".advice.lr",
     "sweep": ".planning.sweep",
+    "train_synthetic": ".train.synthetic",
     "warmup_schedule": ".advice.lr",
 }
 _MODULES = {"devices": ".gpu.catalog", "presets": ".presets", "sources": ".sources"}
@@ -61,6 +63,7 @@ __all__ = [
     "SweepResult",
     "TraceError",
     "Trainer",
+    "TrainingRun",
     "UnknownNameError",
     "Workload",
     "__version__",
@@ -73,6 +76,7 @@ __all__ = [
     "scale_lr",
     "sources",
     "sweep",
+    "train_synthetic",
     "warmup_schedule",
 ]
 
@@ -105,5 +109,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .planning.plan import Plan, plan
     from .planning.sweep import SweepResult, sweep
     from .train.accumulate import Accumulator, StepResult
+    from .train.synthetic import TrainingRun, train_synthetic
     from .train.trainer import Trainer
     from .workload import ParallelLayout, Workload

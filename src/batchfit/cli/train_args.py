@@ -1,9 +1,9 @@
 """Reading ``batchfit train``'s options: the values a flag takes, checked, with the fix in the message.
 
-``--micro-batch-size`` is a whole number or ``auto``, ``--set`` a ``KEY=VALUE`` preset override, and
-``--device`` names the CPU, a real GPU, or a simulated one (``simulated:NAME``, or a bare catalog
-name or capacity) that ``train`` enters as a context. Each helper raises ``ConfigError`` for a value
-it cannot take; none imports torch before a command runs.
+``--micro-batch-size`` is a whole number or ``auto`` and ``--set`` a ``KEY=VALUE`` preset override;
+``--device`` is read where the run uses it (``batchfit.train.synthetic``: a Python caller names
+devices the same way). Each helper raises ``ConfigError`` for a value it cannot take, naming the flag;
+none imports torch.
 """
 
 from __future__ import annotations
@@ -45,25 +45,3 @@ def _overrides(sets: list[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set takes KEY=VALUE, got {item!r}; e.g. --set hidden=128")
         out[key.strip()] = value.strip()  # presets parse strings themselves
     return out
-
-
-def _device(text: str, precision: str) -> tuple[Any, Any]:
-    """``(device for the Trainer, SimulatedDevice or None)`` from ``--device``."""
-    import torch
-
-    from ..gpu.simulated import SimulatedDevice
-    from ..precision import policy_for
-
-    spec = text.strip()
-    if spec.lower() == "cpu" or spec.lower().split(":")[0] == "cuda":
-        policy_for(precision)  # validates the name
-        if spec.lower() != "cpu" and not torch.cuda.is_available():
-            raise ConfigError(f"--device {spec} needs a GPU but none is visible; use cpu or a simulated GPU, e.g. T4")
-        return spec.lower(), None
-    name = spec[len("simulated:") :] if spec.lower().startswith("simulated:") else spec
-    if not name:
-        raise ConfigError("--device simulated: needs a GPU name or a capacity, e.g. simulated:64MiB")
-    probe = SimulatedDevice(name)  # resolves the name or capacity; raises ConfigError with the fix
-    policy = policy_for(precision, bf16_supported=probe.device.bf16, device_name=probe.device.name)
-    sim = SimulatedDevice(name, policy=policy)
-    return sim, sim

@@ -41,11 +41,13 @@ class _Progress:
         )
         self._task = self._bar.add_task("train", total=steps, status="")
 
-    def advance(self, loss: float, split: str, row: dict[str, Any]) -> None:
+    def advance(self, row: dict[str, Any]) -> None:
+        """One more step done; ``row`` is the step's row of the run's summary."""
         from ..units import format_bytes
 
+        split = _split_text(tuple(row["micro_batch_sizes"]))
         memory = "" if row["peak_reserved_bytes"] is None else f"  peak {format_bytes(row['peak_reserved_bytes'])}"
-        status = f"loss {loss:.4f}  micro x accum {split}  {row['items_per_s']:,.0f} items/s{memory}"
+        status = f"loss {row['loss']:.4f}  micro x accum {split}  {row['items_per_s']:,.0f} items/s{memory}"
         self._bar.update(self._task, advance=1, status=status)
 
 
@@ -79,6 +81,13 @@ def _print_table(summary: dict[str, Any]) -> None:
     rows = summary["steps"]
     first = rows[0]
     console = Console()
+    if "accumulation_steps" not in first:  # resumed from a checkpoint of the last step: no step ran
+        console.print(
+            f"batchfit train {summary['preset']}: the checkpoint is already at step {first['step']}; "
+            "nothing left to run (ask for more --steps to continue)",
+            soft_wrap=True,
+        )
+        return
     console.print(
         f"batchfit train {summary['preset']}: global batch {summary['global_batch_size']} = micro-batch "
         f"{first['micro_batch_size']} x {first['accumulation_steps']} accumulation steps on {summary['device']}"
