@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from batchfit.train.save_resume import read_checkpoint
+from batchfit.train.synthetic import train_synthetic
 
 TIMEOUT_S = 120
 BASE = ["train", "mlp", "--dtype", "float64", "--micro-batch-size", "7", "--json"]
@@ -40,6 +42,30 @@ def _one_process(*args: str) -> subprocess.CompletedProcess:
         timeout=TIMEOUT_S,
         env=_env(),
     )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The weights one process ends with (``train_synthetic``, as ``batchfit train`` runs it), trained here
+    rather than in a new process, once per setting for the whole module: the runs the tests compare with."""
+    folder = tmp_path_factory.mktemp("references")
+    done: dict[tuple[int, int, int], Path] = {}
+
+    def weights(global_batch_size: int, steps: int, micro: int = 7) -> Path:
+        key = (global_batch_size, steps, micro)
+        if key not in done:
+            path = folder / f"g{global_batch_size}-s{steps}-m{micro}.pt"
+            old = torch.get_num_threads()
+            torch.set_num_threads(1)  # as the processes compared with it run (OMP_NUM_THREADS=1)
+            try:
+                train_synthetic("mlp", global_batch_size, micro_batch_size=micro, steps=steps, dtype=torch.float64,
+                                save=path)  # fmt: skip
+            finally:
+                torch.set_num_threads(old)
+            done[key] = path
+        return done[key]
+
+    return weights
 
 
 def _torchrun(nproc: int, *args: str, restarts: int = 0) -> list[str]:
@@ -71,21 +97,17 @@ def _max_rel_diff(a: Path, b: Path) -> float:
 
 
 @pytest.mark.parametrize("global_batch_size", [30, 31])
-def test_two_processes_equal_one(tmp_path: Path, global_batch_size: int) -> None:
-    one = _one_process("--global-batch-size", str(global_batch_size), "--steps", "4", "--save", str(tmp_path / "p1.pt"))
-    assert one.returncode == 0, one.stderr
+def test_two_processes_equal_one(tmp_path: Path, global_batch_size: int, reference: Callable[..., Path]) -> None:
     two = _run_torchrun(
         2, "--global-batch-size", str(global_batch_size), "--steps", "4", "--save", str(tmp_path / "p2.pt")
     )
     assert two.returncode == 0, two.stderr[-2000:]
-    assert _max_rel_diff(tmp_path / "p1.pt", tmp_path / "p2.pt") <= 1e-12
+    assert _max_rel_diff(reference(global_batch_size, 4), tmp_path / "p2.pt") <= 1e-12
 
 
 @pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(tmp_path: Path, first: int, second: int) -> None:
+def test_resume_on_another_world_size(tmp_path: Path, first: int, second: int, reference: Callable[..., Path]) -> None:
     ck = tmp_path / "ck.pt"
-    ref = _one_process("--global-batch-size", "31", "--steps", "4", "--save", str(tmp_path / "ref.pt"))
-    assert ref.returncode == 0, ref.stderr
 
     def run(nproc: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
         args = ("--global-batch-size", "31", "--steps", str(steps), "--checkpoint", str(ck), *extra)
@@ -96,7 +118,7 @@ def test_resume_on_another_world_size(tmp_path: Path, first: int, second: int) -
     assert read_checkpoint(ck)["step"] == 2
     b = run(second, 4, "--save", str(tmp_path / "resumed.pt"))
     assert b.returncode == 0, b.stderr[-2000:]
-    assert _max_rel_diff(tmp_path / "ref.pt", tmp_path / "resumed.pt") <= 1e-12
+    assert _max_rel_diff(reference(31, 4), tmp_path / "resumed.pt") <= 1e-12
     items = read_checkpoint(ck)["extra"]["items"]
     assert [sorted(step) for step in items] == [list(range(31 * t, 31 * (t + 1))) for t in range(4)]
 
@@ -118,11 +140,11 @@ def _worker_pids(parent: int) -> list[int]:
 
 
 @pytest.mark.parametrize("sharding", [[], ["--shard"]], ids=["ddp", "fsdp"])
-def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path: Path, sharding: list[str]) -> None:
+def test_a_killed_rank_resumes_from_the_checkpoint(
+    tmp_path: Path, sharding: list[str], reference: Callable[..., Path]
+) -> None:
     steps = 12
     ck = tmp_path / "ck.pt"
-    ref = _one_process("--global-batch-size", "30", "--steps", str(steps), "--save", str(tmp_path / "ref.pt"))
-    assert ref.returncode == 0, ref.stderr
     cmd = _torchrun(
         2,
         "--global-batch-size",
@@ -156,7 +178,7 @@ def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path: Path, sharding: lis
             agent.kill()
     assert killed is not None, "the job finished before a worker could be killed"
     assert agent.returncode == 0, err[-3000:]
-    assert _max_rel_diff(tmp_path / "ref.pt", tmp_path / "out.pt") <= 1e-12
+    assert _max_rel_diff(reference(30, steps), tmp_path / "out.pt") <= 1e-12
     items = read_checkpoint(ck)["extra"]["items"]
     assert len(items) == steps
     # Every step used exactly its global batch: no item lost, none used twice.
@@ -189,16 +211,16 @@ def test_bad_checkpoints_and_world_sizes_are_one_line_and_overwrite_nothing(tmp_
 
 # -- FSDP (fully_shard) --------------------------------------------------------------------------------
 @pytest.mark.parametrize(("global_batch_size", "micro"), [(31, 7), (5, 1)])
-def test_sharded_training_equals_one_process(tmp_path: Path, global_batch_size: int, micro: int) -> None:
+def test_sharded_training_equals_one_process(
+    tmp_path: Path, global_batch_size: int, micro: int, reference: Callable[..., Path]
+) -> None:
     """G=31, micro 7: shares 16/15 split 6+5+5 / 5+5+5; G=5, micro 1: rank 1 ends with a padding piece."""
     args = ("--global-batch-size", str(global_batch_size), "--micro-batch-size", str(micro), "--steps", "3")
-    one = _one_process(*args, "--save", str(tmp_path / "p1.pt"))
-    assert one.returncode == 0, one.stderr
     two = _run_torchrun(2, *args, "--shard", "--save", str(tmp_path / "p2.pt"))
     assert two.returncode == 0, two.stderr[-2000:]
     summary = json.loads(two.stdout)
     assert summary["sharded"] and summary["world_size"] == 2
-    assert _max_rel_diff(tmp_path / "p1.pt", tmp_path / "p2.pt") <= 1e-12
+    assert _max_rel_diff(reference(global_batch_size, 3, micro), tmp_path / "p2.pt") <= 1e-12
 
 
 @pytest.mark.parametrize(
@@ -206,11 +228,11 @@ def test_sharded_training_equals_one_process(tmp_path: Path, global_batch_size: 
     [(["--shard"], []), ([], ["--shard", "--micro-batch-size", "auto"]), (["--shard"], ["--shard"])],
     ids=["fsdp-to-one", "one-to-fsdp-auto", "fsdp-to-fsdp"],  # the last loads into an already sharded model
 )
-def test_a_sharded_checkpoint_resumes_unsharded_and_back(tmp_path: Path, first: list[str], second: list[str]) -> None:
+def test_a_sharded_checkpoint_resumes_unsharded_and_back(
+    tmp_path: Path, first: list[str], second: list[str], reference: Callable[..., Path]
+) -> None:
     """Checkpoints hold whole states whatever wrote them: FSDP on 2 ranks -> 1 process, and 1 -> FSDP on 2."""
     ck = tmp_path / "ck.pt"
-    ref = _one_process("--global-batch-size", "9", "--steps", "4", "--save", str(tmp_path / "ref.pt"))
-    assert ref.returncode == 0, ref.stderr
     nprocs = [2 if "--shard" in first else 1, 2 if "--shard" in second else 1]
     runs = []
     for nproc, steps, extra in ((nprocs[0], 2, first), (nprocs[1], 4, second)):
@@ -220,7 +242,7 @@ def test_a_sharded_checkpoint_resumes_unsharded_and_back(tmp_path: Path, first: 
         assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
     saved = read_checkpoint(ck)
     assert saved["step"] == 4 and all(isinstance(k, int) for k in saved["optimizer"]["state"])
-    assert _max_rel_diff(tmp_path / "ref.pt", tmp_path / "resumed.pt") <= 1e-12
+    assert _max_rel_diff(reference(9, 4), tmp_path / "resumed.pt") <= 1e-12
 
 
 @pytest.mark.parametrize(("global_batch_size", "micro"), [(7, 2), (3, 1)])
