@@ -458,8 +458,8 @@ def worker(name: str, quick: bool, profile_path: str | None, snapshots: str | No
            real_only: bool = False) -> int:  # fmt: skip
     """Run one case and print one JSON object per row (never raises for a row). ``run``: only these probes
     (at this capacity); ``real_only``: real steps alone, their estimates left to ``--replay``."""
-    from batchfit.gpu.calibrate import TorchGpu
     from batchfit.gpu.real_gpu import cuda_device
+    from batchfit.runtime.calibrate import TorchGpu
 
     gpu = TorchGpu()  # NVML's baseline is read now, before this process has a CUDA context
     case = BY_NAME[name]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from test_oom import Faulty, Scratch
 from torch import nn
 
-from batchfit.gpu.simulated import SimulatedDevice
+from batchfit.runtime.simulated import SimulatedDevice
 from batchfit.train.distributed import init_distributed
 from batchfit.train.trainer import Trainer
 

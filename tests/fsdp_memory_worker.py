@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from batchfit.presets import get
+from batchfit.sources.presets import get
 from batchfit.train.distributed import init_distributed, shutdown
 from batchfit.train.fsdp import shard_model
 from batchfit.workload import Workload, trainable_parameters

@@ -21,8 +21,8 @@ import torch
 from batchfit.advice.noise_scale import GradientNoiseScale
 from batchfit.batching import make_splits, rank_shares, slice_batch
 from batchfit.errors import ConfigError
-from batchfit.gpu.simulated import SimulatedDevice
-from batchfit.presets import get
+from batchfit.runtime.simulated import SimulatedDevice
+from batchfit.sources.presets import get
 from batchfit.train.distributed import decided_on_main, init_distributed, shutdown
 from batchfit.train.trainer import Trainer
 

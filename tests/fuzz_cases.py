@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchfit.errors import BatchfitError, DoesNotFitError
-from batchfit.gpu.simulated import SimulatedDevice
+from batchfit.runtime.simulated import SimulatedDevice
 from batchfit.train.trainer import Trainer
 
 MiB = 2**20

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from batchfit.gpu.calibrate import ConvShape
 from batchfit.gpu.profiles import ConvMeasurement, GpuIdentity
 from batchfit.memory.kernels.cudnn import BACKWARD_DATA, FORWARD
+from batchfit.runtime.calibrate import ConvShape
 from batchfit.units import MiB
 
 H100 = GpuIdentity(name="NVIDIA H100 80GB HBM3", driver="580.65.06", cuda="13.0", torch="2.11.0+cu130")

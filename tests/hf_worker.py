@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_tiny import CAPACITY, arguments, example, tiny_llama, train_two_steps  # noqa: E402
 
-from batchfit.gpu.simulated import SimulatedDevice  # noqa: E402
 from batchfit.integrations.transformers import plan_training_arguments  # noqa: E402
+from batchfit.runtime.simulated import SimulatedDevice  # noqa: E402
 
 
 def main() -> None:

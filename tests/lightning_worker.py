@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from lightning_tiny import CAPACITY, SMALLER, make_module, make_trainer  # noqa: E402
 
-from batchfit.gpu.simulated import SimulatedDevice  # noqa: E402
 from batchfit.integrations.lightning import BatchfitTuner  # noqa: E402
+from batchfit.runtime.simulated import SimulatedDevice  # noqa: E402
 
 
 def main() -> None:

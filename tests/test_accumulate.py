@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import batchfit.train.accumulate as accumulate_module
 from batchfit.batching import split_batch
 from batchfit.errors import ConfigError
-from batchfit.gpu.simulated import SimulatedDevice
 from batchfit.planning.fit import fit
+from batchfit.runtime.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator, StepResult, micro_batch_sizes
 from batchfit.train.trainer import Trainer
 from batchfit.workload import Workload

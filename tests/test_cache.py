@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import batchfit
+import batchfit._version
 from batchfit import presets
 from batchfit.cache import CACHE, cache_dir
 from batchfit.models.gpt import token_batch
@@ -97,7 +98,7 @@ def test_a_changed_model_class_is_a_new_trace(tmp_path: Path, monkeypatch: pytes
 def test_a_new_batchfit_version_never_reuses_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     wl = presets.get("gpt", **TINY)
     _estimate(wl)
-    monkeypatch.setattr(batchfit, "__version__", "99.0")
+    monkeypatch.setattr(batchfit._version, "__version__", "99.0")
     CACHE.clear_memory()
     assert _misses(lambda: _estimate(wl)) == 1
 

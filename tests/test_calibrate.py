@@ -7,10 +7,10 @@ import torch
 from gpu_fakes import H100, H100_TOTAL, PER_HANDLE, FakeCuda, FakeGpu, FakeNvml, this_pid
 
 from batchfit.errors import NoGpuError
-from batchfit.gpu import calibrate
-from batchfit.gpu.calibrate import QUICK_SHAPES, SHAPES, ConvShape, TorchGpu, calibrate_device, measure_transient
 from batchfit.gpu.catalog import ConvWorkspace
 from batchfit.memory.kernels.cudnn import BACKWARD_DATA, BACKWARD_FILTER, FORWARD
+from batchfit.runtime import calibrate
+from batchfit.runtime.calibrate import QUICK_SHAPES, SHAPES, ConvShape, TorchGpu, calibrate_device, measure_transient
 from batchfit.units import MiB
 
 

@@ -10,10 +10,10 @@ from torch import nn
 import batchfit
 from batchfit import Workload
 from batchfit.gpu.catalog import get_device
-from batchfit.gpu.simulated import SimulatedDevice
 from batchfit.memory.estimate import trace_for_device
 from batchfit.planning.known_error import KNOWN_ERRORS, families, known_error_for
 from batchfit.precision import policy_for
+from batchfit.runtime.simulated import SimulatedDevice
 
 
 class Recurrent(nn.Module):

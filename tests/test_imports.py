@@ -110,6 +110,66 @@ def test_no_module_imports_another_in_a_circle() -> None:
     assert _cycles(GRAPH) == []
 
 
+# Bottom to top: a package imports only the packages before it. ``<core>`` is the package root's own
+# modules (errors, units, workload, precision, ...); the root's ``__init__`` (the lazy public facade)
+# and ``__main__`` are above everything.
+LAYERS = ["<core>", "gpu", "memory", "cache", "models", "sources", "runtime", "advice", "planning", "train",
+          "report", "integrations", "cli"]  # fmt: skip
+
+# The imports that still go up, each inside a function, each to be removed (the test fails when one is
+# gone, so that this list only shrinks): the public ``estimate`` reads the trace cache and resolves a
+# preset name, the facts of a model's stacks and states are kept in the cache, and the closed-form
+# estimate reads an optimizer's states from the table of optimizer names.
+UPWARD = {
+    ("batchfit.memory.estimate", "batchfit.cache"),
+    ("batchfit.memory.estimate", "batchfit.sources"),
+    ("batchfit.memory.states", "batchfit.cache"),
+    ("batchfit.memory.synthesis.stackplan", "batchfit.cache"),
+    ("batchfit.memory.analytic", "batchfit.sources.optim"),
+}
+
+
+def _layer(module: str) -> int | None:
+    """The layer of a module (None: the facade, ``batchfit`` itself or ``batchfit.__main__``)."""
+    parts = module.split(".")
+    if module in ("batchfit", "batchfit.__main__"):
+        return None
+    if len(parts) == 2 and not MODULES[module][1]:
+        return LAYERS.index("<core>")
+    return LAYERS.index(parts[1])
+
+
+def _upward(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Every import of a module from a later layer than the importer's, or from another package of the same."""
+    found = set()
+    for name, imports in graph.items():
+        mine = _layer(name)
+        if mine is None:
+            continue
+        for target in imports:
+            theirs = _layer(target)
+            same_package = name.split(".")[:2] == target.split(".")[:2]
+            if theirs is None or (theirs >= mine and not same_package and theirs != LAYERS.index("<core>")):
+                found.add((name, target))
+    return found
+
+
+def test_every_package_is_in_a_layer() -> None:
+    packages = {name.split(".")[1] for name, (_, is_package) in MODULES.items() if is_package and name.count(".") == 1}
+    assert packages == set(LAYERS) - {"<core>"}
+
+
+def test_the_layer_check_finds_an_import_that_goes_up() -> None:
+    graph = {"batchfit.gpu.catalog": {"batchfit.memory.estimate", "batchfit.errors"}, "batchfit.errors": {"batchfit"}}
+    assert _upward(graph) == {("batchfit.gpu.catalog", "batchfit.memory.estimate"), ("batchfit.errors", "batchfit")}
+
+
+def test_imports_only_go_down_the_layers() -> None:
+    upward = _upward(GRAPH)
+    assert upward - UPWARD == set(), "a package imports one above it: move the code down, or pass it in"
+    assert UPWARD - upward == set(), "an upward import is gone: take it off UPWARD"
+
+
 def test_the_library_never_imports_the_command_line_or_the_adapters() -> None:
     outer = ("batchfit.cli", "batchfit.integrations")
     offenders = {

@@ -22,13 +22,13 @@ from hf_tiny import CAPACITY, arguments, example, tiny_llama, train_two_steps  #
 
 from batchfit.cli import main  # noqa: E402
 from batchfit.errors import ConfigError, DoesNotFitError  # noqa: E402
-from batchfit.gpu.simulated import SimulatedDevice  # noqa: E402
 from batchfit.integrations._common import largest_divisor_at_most  # noqa: E402
 from batchfit.integrations.transformers import (  # noqa: E402
     BatchfitCallback,
     plan_training_arguments,
     trainer_workload,
 )
+from batchfit.runtime.simulated import SimulatedDevice  # noqa: E402
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 

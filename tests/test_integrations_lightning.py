@@ -20,9 +20,9 @@ pytest.importorskip("lightning")
 from lightning_tiny import CAPACITY, make_module, make_trainer, reference  # noqa: E402
 
 from batchfit.errors import ConfigError, DoesNotFitError  # noqa: E402
-from batchfit.gpu.simulated import SimulatedDevice  # noqa: E402
 from batchfit.integrations._common import largest_divisor_at_most  # noqa: E402
 from batchfit.integrations.lightning import BatchfitTuner, lightning_precision  # noqa: E402
+from batchfit.runtime.simulated import SimulatedDevice  # noqa: E402
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 GLOBAL_BATCH = 24

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import batchfit
-from batchfit.gpu.monitor import OTHER, MemoryMonitor, live_by_category, requested_bytes
+from batchfit.runtime.monitor import OTHER, MemoryMonitor, live_by_category, requested_bytes
 from batchfit.units import GiB, MiB
 
 OOM_TEXT = (

@@ -14,7 +14,7 @@ from torch import nn
 
 import batchfit.train.trainer as trainer_module
 from batchfit.errors import DoesNotFitError
-from batchfit.gpu.simulated import SimulatedDevice
+from batchfit.runtime.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator, micro_batch_sizes
 from batchfit.train.oom_resplit import CudaCache, Replan, is_out_of_memory, release_memory
 from batchfit.train.trainer import Trainer

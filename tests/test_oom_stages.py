@@ -21,7 +21,7 @@ import batchfit.train.finish as finish_module
 import batchfit.train.oom_resplit as oom_module
 import batchfit.train.window_noise as window_noise_module
 from batchfit.errors import DoesNotFitError
-from batchfit.gpu.simulated import SimulatedDevice
+from batchfit.runtime.simulated import SimulatedDevice
 from batchfit.train.accumulate import Accumulator
 from batchfit.train.oom_errors import MicroBatchOutOfMemory
 from batchfit.train.results import Replan

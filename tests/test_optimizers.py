@@ -24,7 +24,8 @@ from batchfit.memory.allocator.caching import round_size
 from batchfit.memory.measure import measure_cpu_peak
 from batchfit.memory.states import state_bytes
 from batchfit.sources import load
-from batchfit.sources.optim import NamedOptimizer, names, optimizer_factory, quiet_third_party, spec
+from batchfit.sources.optim import NamedOptimizer, names, optimizer_factory, spec
+from batchfit.third_party import quiet_third_party
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("torchao")

@@ -278,7 +278,7 @@ def test_names_and_describe() -> None:
 
 
 def test_importing_presets_does_not_import_transformers() -> None:
-    code = "import sys, batchfit.presets; print('transformers' in sys.modules)"
+    code = "import sys, batchfit.sources.presets; print('transformers' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
         env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""},

@@ -15,9 +15,9 @@ from batchfit import Workload
 from batchfit.cli import main
 from batchfit.errors import ConfigError, ProfileError
 from batchfit.gpu import profiles
-from batchfit.gpu.calibrate import calibrate_device
 from batchfit.gpu.catalog import CONTEXT_BYTES, EAGER_CONTEXT_BYTES, get_device
 from batchfit.gpu.context import detect_module_loading, resolve_device
+from batchfit.runtime.calibrate import calibrate_device
 from batchfit.units import MiB
 
 CONTEXT = 1100 * MiB  # what FakeGpu's readings give after the training steps
@@ -250,7 +250,7 @@ def test_calibrate_without_a_gpu_says_so_in_one_line(capsys, monkeypatch) -> Non
 
 def test_calibrate_writes_a_profile_that_estimate_then_uses(capsys, monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("batchfit.gpu.calibrate.TorchGpu", FakeGpu)
+    monkeypatch.setattr("batchfit.runtime.calibrate.TorchGpu", FakeGpu)
     code, out, err = _run(capsys, "calibrate", "--json")
     assert code == 0, err
     written = json.loads(out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _EXPORTS: dict[str, str] = {
     "Accumulator": ".train.accumulate",
@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "GradientNoiseScale": ".advice.noise_scale",
     "ParallelLayout": ".workload",
     "Plan": ".planning.plan",
-    "SimulatedDevice": ".gpu.simulated",
+    "SimulatedDevice": ".runtime.simulated",
     "StepResult": ".train.accumulate",
     "SweepResult": ".planning.sweep",
     "TraceError": ".errors",
@@ -44,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "train_synthetic": ".train.synthetic",
     "warmup_schedule": ".advice.lr",
 }
-_MODULES = {"devices": ".gpu.catalog", "presets": ".presets", "sources": ".sources"}
+_MODULES = {"devices": ".gpu.catalog", "presets": ".sources.presets", "sources": ".sources"}
 
 __all__ = [
     "Accumulator",
@@ -97,17 +97,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from . import presets, sources
+    from . import sources
     from .advice.lr import scale_lr, warmup_schedule
     from .advice.noise_scale import GradientNoiseScale
     from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, TraceError, UnknownNameError
     from .gpu import catalog as devices
     from .gpu.catalog import Device, get_device
-    from .gpu.simulated import SimulatedDevice
     from .memory.estimate import Estimate, estimate
     from .planning.fit import FitResult, fit
     from .planning.plan import Plan, plan
     from .planning.sweep import SweepResult, sweep
+    from .runtime.simulated import SimulatedDevice
+    from .sources import presets
     from .train.accumulate import Accumulator, StepResult
     from .train.synthetic import TrainingRun, train_synthetic
     from .train.trainer import Trainer

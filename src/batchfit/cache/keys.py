@@ -328,7 +328,7 @@ def installed() -> tuple[str, ...]:
     in memory does not read them."""
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     versions = [__version__, _own_source(), torch.__version__, platform.python_version()]
     versions += [f"{name} {_installed_version(name)}" for name in ("transformers", "peft", "bitsandbytes", "torchao")]

@@ -31,8 +31,8 @@ def calibrate(
     Needs a CUDA GPU and NVML (nvidia-ml-py). Copy the profile to machines with the same GPU, driver,
     CUDA and torch (or pass it with --profile) to use it there.
     """
-    from ..gpu import calibrate as measuring
     from ..gpu.profiles import save
+    from ..runtime import calibrate as measuring
 
     gpu = measuring.TorchGpu()
 

@@ -65,7 +65,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from .. import __version__
+        from .._version import __version__
 
         typer.echo(f"batchfit {__version__}")
         raise typer.Exit()
@@ -160,7 +160,7 @@ def gpus(as_json: JsonOpt = False) -> None:
 @app.command()
 def presets(as_json: JsonOpt = False) -> None:
     """List the built-in workloads."""
-    from ..presets import describe
+    from ..sources.presets import describe
 
     rows = describe()
     if as_json:
@@ -381,8 +381,8 @@ def demo() -> None:
     """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
     from ..memory.estimate import estimate as run_estimate
     from ..planning.plan import plan
-    from ..presets import get
     from ..report.tables import estimate_table, plan_table
+    from ..sources.presets import get
 
     console = opts.console()
     wl = get("gpt", seq_len=1024)

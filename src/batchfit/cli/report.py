@@ -135,8 +135,8 @@ def demo_report(console: Any, path: str | Path = "batchfit-report.html") -> Path
 
     Prints the report's path on ``console`` and returns it.
     """
-    from ..presets import get
     from ..report.html import build_report, write_report
+    from ..sources.presets import get
 
     with console.status("writing the report") as status:
         built = build_report(

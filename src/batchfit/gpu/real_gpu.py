@@ -1,12 +1,11 @@
-"""The only code that needs a real CUDA GPU: what it is, and whether a step of a given size fits.
+"""What the CUDA GPU at hand is: its catalog entry and capacity, its identity (driver, CUDA, torch).
 
-Kept small and behind two functions so tests can replace ``torch.cuda`` with a fake; nothing else in
-batchfit touches the GPU for fitting.
+Kept small, with ``torch.cuda`` and NVML as seams that tests replace with fakes. Running a step on the
+GPU (fit's verification) is ``runtime/cuda_steps.py``.
 """
 
 from __future__ import annotations
 
-import gc
 from dataclasses import replace
 from typing import Any
 
@@ -27,39 +26,6 @@ def cuda_device(cuda: Any = torch.cuda) -> Device:
     named = next((d for d in catalog() if any(alias.lower() == name for alias in (d.name, *d.aliases))), None)
     dev = named.with_overrides(total_bytes=total) if named else generic_device(f"{total}B")
     return replace(dev, multiprocessors=sms) if sms else dev
-
-
-def cuda_step_fits(
-    workload: Any, batch_size: int, policy: Any, classes: tuple[type, ...], cuda: Any = torch.cuda
-) -> bool:
-    """Run two real steps at ``batch_size`` on the GPU; False on OOM, leaving the process usable.
-
-    Everything the attempt allocated is dropped and the cache emptied before returning, whatever
-    happened, so the next attempt starts from the same state.
-    """
-    from ..memory.steps import build_for_steps, run_workload_steps
-
-    model = optimizer = None
-    try:
-        model, optimizer = build_for_steps(workload, policy.param_dtype, classes, device="cuda")
-
-        run_workload_steps(
-            workload,
-            model,
-            optimizer,
-            batch_size,
-            param_dtype=policy.param_dtype,
-            autocast=policy.autocast("cuda"),
-            move=lambda t: t.to("cuda", non_blocking=True),
-        )
-        cuda.synchronize()
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    finally:
-        del model, optimizer
-        gc.collect()
-        cuda.empty_cache()
 
 
 def gpu_identity(cuda: Any = torch.cuda, nvml: Any = None) -> Any:

@@ -74,7 +74,7 @@ def plan_device(device: Any) -> Device:
     """The ``Device`` a plan is made for: a catalog name or capacity, a ``Device``, a ``SimulatedDevice``
     (its allocator capacity), or ``"cuda"`` (the visible GPU, read from torch; nothing runs on it)."""
     from ..gpu.catalog import get_device
-    from ..gpu.simulated import SimulatedDevice
+    from ..runtime.simulated import SimulatedDevice
 
     if isinstance(device, SimulatedDevice):
         return device.device

@@ -19,7 +19,8 @@ from torch import nn
 from ..activation_checkpointing import UseReentrant
 from ..activation_checkpointing import model_layers as checkpoint_layers
 from ..errors import ConfigError
-from ..sources.optim import construct, quiet_third_party
+from ..sources.optim import construct
+from ..third_party import quiet_third_party
 from ..workload import Workload
 from ._common import RepeatedItems, one_line, require
 

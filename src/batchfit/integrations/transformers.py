@@ -219,12 +219,12 @@ class BatchfitCallback(TrainerCallback):
         nvml: the seam for ``pynvml`` (None: imported if installed).
         write: where lines go (``print`` by default); only the main process writes.
 
-    The readings (``batchfit.gpu.monitor.StepMemory``) are kept in ``history`` on every process, and added to
+    The readings (``batchfit.runtime.monitor.StepMemory``) are kept in ``history`` on every process, and added to
     the logs as ``peak_reserved_gib`` and ``estimated_reserved_gib`` for the loggers after this callback.
     """
 
     def __init__(self, plan: Any, *, cuda: Any = None, nvml: Any = None, write: Callable[[str], Any] = print) -> None:
-        from ..gpu.monitor import MemoryMonitor
+        from ..runtime.monitor import MemoryMonitor
 
         self.plan = plan
         self.monitor = MemoryMonitor(plan.estimate, cuda=cuda if cuda is not None else torch.cuda, nvml=nvml)

@@ -17,8 +17,8 @@ import torch
 from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device, get_device
-from ..gpu.simulated import SimulatedDevice
 from ..precision import PrecisionPolicy, policy_for
+from ..runtime.simulated import SimulatedDevice
 
 
 def is_modelled(device: Any) -> bool:
@@ -65,7 +65,7 @@ def real_step(
     if isinstance(device, SimulatedDevice):
         return lambda workload, batch_size: _simulated_step_fits(workload, batch_size, budget, policy, classes)
     if _is_cuda(device):
-        from ..gpu.real_gpu import cuda_step_fits
+        from ..runtime.cuda_steps import cuda_step_fits
 
         return lambda workload, batch_size: cuda_step_fits(workload, batch_size, policy, classes)
     return None

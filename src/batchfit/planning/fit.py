@@ -18,9 +18,9 @@ from typing import Any
 from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device
-from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import _as_workload, with_accumulation
 from ..precision import policy_for
+from ..runtime.simulated import SimulatedDevice
 from .budget import device_budget, fit_setting, is_modelled, real_step
 from .known_error import keep_known_errors, table_key
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain

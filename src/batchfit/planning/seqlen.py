@@ -29,10 +29,10 @@ from typing import Any
 
 from ..errors import BatchfitError, ConfigError
 from ..gpu.catalog import Device
-from ..gpu.simulated import SimulatedDevice
 from ..memory.estimate import Estimate, check_batch_size, with_accumulation
 from ..memory.synthesis.scaling import TraceCurve, same_step
 from ..memory.trace.fake_step import MemoryTrace
+from ..runtime.simulated import SimulatedDevice
 from .budget import fit_setting, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
 

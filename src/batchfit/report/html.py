@@ -47,7 +47,7 @@ code { background: #f4f4f4; padding: 0 0.25em; }
 
 def render_html(report: Report) -> str:
     """The report as one HTML document: no external file, script or font; figures as data URIs."""
-    from .. import __version__
+    from .._version import __version__
 
     r = report
     title = f"batchfit report: {r.workload} on {r.device}"

@@ -21,14 +21,23 @@ import importlib.util
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, UnknownNameError
-from ..workload import Workload
-from .lora import LoraSpec, parse_lora, with_adapters
-from .optim import optimizer_factory
+
+if TYPE_CHECKING:  # torch is imported when a workload is loaded, not by ``batchfit presets``
+    from ..workload import Workload
+    from .lora import LoraSpec, parse_lora
+    from .optim import optimizer_factory
 
 __all__ = ["LoraSpec", "load", "optimizer_factory", "parse_lora"]
+_LAZY = {"LoraSpec": ".lora", "parse_lora": ".lora", "optimizer_factory": ".optim"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
 
 _HUB_KEYS = ("seq_len", "optimizer", "lr")
 
@@ -60,8 +69,8 @@ def _from_file(path: str, attr: str, spec: str) -> Any:
 
 
 def _function_spec(spec: str, overrides: dict[str, Any]) -> Workload:
-    from ..presets import call_workload_function
-    from ..presets import load as load_module_function
+    from .presets import call_workload_function
+    from .presets import load as load_module_function
 
     path, _, attr = spec.rpartition(":")
     if path.endswith(".py") or "/" in path or "\\" in path:
@@ -72,8 +81,8 @@ def _function_spec(spec: str, overrides: dict[str, Any]) -> Workload:
 
 
 def _hub_workload(spec: str, task: str | None, overrides: dict[str, Any]) -> Workload:
-    from ..presets import make_optimizer
     from .hub import load_config, workload_from_config
+    from .presets import make_optimizer
 
     config = load_config(spec)
     fields = {k: v for k, v in overrides.items() if k not in _HUB_KEYS}
@@ -94,6 +103,8 @@ def with_lora(workload: Workload, lora: LoraSpec | str) -> Workload:
         ConfigError: the workload's model is an instance (give a factory), or a bad spec.
     """
     from torch import nn
+
+    from .lora import parse_lora, with_adapters
 
     spec = parse_lora(lora) if isinstance(lora, str) else lora
     if isinstance(workload.model, nn.Module):
@@ -138,7 +149,7 @@ def load(
         ConfigError: one line naming the fix (unknown name, unreadable file, missing config, a fused loss on
             a model that is not a causal language model, ...).
     """
-    from .. import presets
+    from . import presets
     from .hub import looks_like_config
 
     spec = (spec or "").strip()

@@ -45,8 +45,8 @@ from torch import nn
 from ..advice.noise_scale import GradientNoiseScale
 from ..batching import Batch, batch_size_of
 from ..errors import ConfigError, DoesNotFitError
-from ..gpu.simulated import SimulatedDevice
 from ..precision import Precision, policy_for
+from ..runtime.simulated import SimulatedDevice
 from .distributed import all_reduce_sum, distributed, world_size
 from .finish import finish_window, refusing, stacked
 from .fsdp import is_sharded

@@ -15,7 +15,7 @@ import torch
 
 from ..batching import Batch, map_tensors
 from ..errors import ConfigError, UnknownNameError
-from ..gpu.simulated import SimulatedDevice
+from ..runtime.simulated import SimulatedDevice
 from .oom_errors import CacheReleaser, CudaCache, NoCache
 
 

@@ -352,8 +352,8 @@ def _resolve_device(text: str, precision: str) -> tuple[Any, Any]:
     A simulated GPU is made with the precision policy of the GPU it stands for, so a bf16 run on a GPU
     without bf16 fails here, as it would on that GPU.
     """
-    from ..gpu.simulated import SimulatedDevice
     from ..precision import policy_for
+    from ..runtime.simulated import SimulatedDevice
 
     spec = text.strip()
     if spec.lower() == "cpu" or spec.lower().split(":")[0] == "cuda":

@@ -33,8 +33,8 @@ from ..advice.batchnorm import warn_batchnorm
 from ..advice.noise_scale import GradientNoiseScale
 from ..batching import Batch, batch_size_of, make_splits, rank_shares
 from ..errors import ConfigError, DoesNotFitError
-from ..gpu.simulated import SimulatedDevice
 from ..precision import Precision, parse_precision
+from ..runtime.simulated import SimulatedDevice
 from ..workload import Workload
 from .accumulate import Accumulator, StepResult, micro_batch_sizes
 from .auto_plan import make_plan, own_workload, planned_micro_batch_size, planned_splits

@@ -148,7 +148,7 @@ def _one_rank(layout: Any) -> contextlib.AbstractContextManager:
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
     """The workload's optimizer on the fake parameters, as a traced step runs it (``memory/kernels/lowbit.py``)."""
     from ...errors import BatchfitError, ConfigError
-    from ...sources.optim import quiet_third_party
+    from ...third_party import quiet_third_party
     from ..kernels.lowbit import traceable
 
     params = trainable_parameters(model)
@@ -180,7 +180,7 @@ def _trace_steps(
     unified_memory: bool = False,
     recorder: Any = None,
 ) -> MemoryTrace:
-    from ...sources.optim import quiet_third_party
+    from ...third_party import quiet_third_party
     from ..kernels.fused_loss import fused_losses_traced
     from ..kernels.paged import paged_states
     from ..steps import run_workload_steps

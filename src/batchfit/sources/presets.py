@@ -20,14 +20,14 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, UnknownNameError
-from .models import hf
+from ..errors import ConfigError, UnknownNameError
+from ..models import hf
 
 if TYPE_CHECKING:  # the presets' models import torch when a preset is built, not when listed
     import torch
     from torch import nn
 
-    from .workload import Workload
+    from ..workload import Workload
 
 Knobs = dict[str, tuple[type, Any]]
 """Name -> (type, default) of the overrides a preset accepts."""
@@ -79,7 +79,7 @@ def make_optimizer(name: str, lr: float | None = None) -> Callable[..., torch.op
         UnknownNameError: another optimizer name (the message lists the valid ones).
         MissingExtraError: the package of its class is not installed.
     """
-    from .sources.optim import optimizer_factory
+    from .optim import optimizer_factory
 
     return optimizer_factory(name, lr)
 
@@ -132,7 +132,7 @@ def _resolve(preset: str, knobs: Knobs, overrides: Mapping[str, Any]) -> dict[st
         if typ is float and key != "dropout" and not value > 0.0:
             raise ConfigError(f"preset {preset!r}: {key} must be positive, got {value!r}")
         cfg[key] = value
-    from .sources.optim import default_lr
+    from .optim import default_lr
 
     if cfg["lr"] is None:
         cfg["lr"] = default_lr(cfg["optimizer"])  # an unknown name: one error listing the valid ones
@@ -152,7 +152,7 @@ def _assemble(
     tokens: int | None = None,
 ) -> Workload:
     """A Workload whose tracing batches and synthetic items take the same shape arguments ``data``."""
-    from .workload import Workload
+    from ..workload import Workload
 
     return Workload(
         model=model,
@@ -168,7 +168,7 @@ def _assemble(
 
 
 def _mlp(overrides: Mapping[str, Any]) -> Workload:
-    from .models.mlp import MLP, MLPBlock, mlp_batch, mlp_item
+    from ..models.mlp import MLP, MLPBlock, mlp_batch, mlp_item
 
     knobs: Knobs = {"in_features": (int, 32), "hidden": (int, 64), "depth": (int, 3), "classes": (int, 10)}
     cfg = _resolve("mlp", {**knobs, "dropout": (float, 0.0), **_COMMON}, overrides)
@@ -178,7 +178,7 @@ def _mlp(overrides: Mapping[str, Any]) -> Workload:
 
 
 def _cnn(overrides: Mapping[str, Any]) -> Workload:
-    from .models.cnn import BasicBlock, ResNet, image_batch, image_item
+    from ..models.cnn import BasicBlock, ResNet, image_batch, image_item
 
     knobs: Knobs = {"image_size": (int, 32), "channels": (int, 3), "width": (int, 16), "stages": (int, 3)}
     knobs.update({"blocks": (int, 2), "classes": (int, 10), "dropout": (float, 0.0)})
@@ -190,7 +190,7 @@ def _cnn(overrides: Mapping[str, Any]) -> Workload:
 
 
 def _gpt(overrides: Mapping[str, Any]) -> Workload:
-    from .models.gpt import GPT, Block, GPTConfig, gpt_loss, token_batch, token_item
+    from ..models.gpt import GPT, Block, GPTConfig, gpt_loss, token_batch, token_item
 
     knobs: Knobs = {"n_layer": (int, 12), "n_head": (int, 12), "n_embd": (int, 768), "seq_len": (int, 1024)}
     knobs.update({"vocab_size": (int, 50257), "block_size": (int, None), "dropout": (float, 0.0)})
@@ -216,9 +216,9 @@ split would cut into q, k and v unevenly, so attention stays whole on every rank
 
 
 def _hf_workload(name: str, overrides: Mapping[str, Any]) -> Workload:
-    from .models import hf_data
-    from .models.cnn import image_batch, image_item
-    from .models.gpt import token_batch, token_item
+    from ..models import hf_data
+    from ..models.cnn import image_batch, image_item
+    from ..models.gpt import token_batch, token_item
 
     if not hf.available():
         raise ConfigError(f"preset {name!r} needs transformers; install batchfit[hf]")
@@ -348,7 +348,7 @@ def call_workload_function(target: Any, spec: str, overrides: Mapping[str, Any])
     Raises:
         ConfigError: not callable, arguments it does not take, it raised, or it returned something else.
     """
-    from .workload import Workload
+    from ..workload import Workload
 
     if isinstance(target, Workload):
         if overrides:

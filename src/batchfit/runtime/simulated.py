@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..gpu.catalog import Device, get_device
 from ..memory.allocator.caching import AllocatorStats, CachingAllocator
 from ..memory.trace.tracker import StorageTracker
 from ..precision import PrecisionPolicy
 from ..units import format_bytes, parse_bytes
-from .catalog import Device, get_device
 
 
 class _DeviceStorages(StorageTracker):
@@ -249,7 +249,7 @@ def _generic(capacity_bytes: int) -> Device:
     """A generic modern GPU whose allocator may reserve ``capacity_bytes`` (no context on top)."""
     import dataclasses
 
-    from .catalog import generic_device
+    from ..gpu.catalog import generic_device
 
     template = generic_device("80GiB")
     return dataclasses.replace(

@@ -1,0 +1,1 @@
+"""Rendering: tables, plots and the HTML report (the only layer that renders)."""
