@@ -10,6 +10,9 @@ that changes no behaviour leaves every digest as it was (but a trace whose order
     ... change ...
     .venv/bin/python benchmarks/digests.py > after.txt && diff before.txt after.txt
 
+Then fits and plans, each digested whole (``to_dict``, or the error it ends with): the ladder of
+remedies, accumulation, several GPUs, tensor parallelism and a plan where nothing fits.
+
 Rows: every preset (small knobs where a preset takes them), every zoo entry (``tests/zoo.py``), and the
 hub configs in ``benchmarks/configs`` (full size: the synthesised depth, LoRA and bf16-true with
 checkpointing), on the CPU (exact) and an H100 (the CUDA kernel model and the allocator), plus
@@ -81,6 +84,31 @@ def _rows() -> Iterator[tuple[str, Callable[[], Any], int, dict[str, Any]]]:
         "device": "H100", "precision": "bf16-true"}  # fmt: skip
 
 
+def _answers() -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``(name, call)`` of fits and plans (their whole result, or the error they end with)."""
+    from batchfit import fit, plan, presets
+
+    def gpt(**kw: Any) -> Any:
+        return presets.get("gpt", n_layer=4, n_embd=256, n_head=4, vocab_size=8192, seq_len=256, **kw)
+
+    yield "fit gpt 1GiB", lambda: fit(gpt(), "1GiB")
+    yield "fit gpt 1GiB bf16 ckpt", lambda: fit(gpt(), "1GiB", precision="bf16", checkpointing="blocks")
+    yield "fit gpt 1GiB accumulation 2", lambda: fit(gpt(), "1GiB", accumulation_steps=2)
+    yield "plan mlp 300 on 3 x 1GiB", lambda: plan("mlp", 300, device="1GiB", gpus=3)
+    yield "plan gpt 256 on 900MiB", lambda: plan(gpt(), 256, device="900MiB")
+    yield "plan gpt 256 on 2 x 700MiB", lambda: plan(gpt(), 256, device="700MiB", gpus=2)
+    yield "plan gpt 64 on 4 x 600MiB tp 2", lambda: plan(gpt(), 64, device="600MiB", gpus=4, tensor_parallel=2)
+    yield "plan gpt 8 on 500MiB", lambda: plan(gpt(), 8, device="500MiB")
+
+
+def _answer_digest(call: Callable[[], Any]) -> str:
+    try:
+        value = call().to_dict()
+    except Exception as e:  # noqa: BLE001 - an answer that is an error is compared as its message
+        value = f"{type(e).__name__}: {e}"
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _trace_digest(trace: Any) -> str:
     """Of everything the estimate reads of a trace, as the suite compares traces (``tests/trace_compare.py``):
     storages numbered by birth, runs of frees as sets (the order Python drops a graph's tensors in is not
@@ -126,6 +154,10 @@ def main(filters: list[str]) -> int:
             est, trace = "FAILED", f"{type(e).__name__}: {str(e)[:80]}"
         print(f"{name:<48} estimate {est}  trace {trace}", flush=True)
         print(f"  {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    for name, call in _answers():
+        if filters and not any(f in name for f in filters):
+            continue
+        print(f"{name:<48} answer {_answer_digest(call)}", flush=True)
     return 1 if failed else 0
 
 

@@ -24,7 +24,8 @@ from ..batching import rank_shares
 from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.estimate import Estimate, _as_workload
-from .ladder import _ladder
+from ..workload import Workload
+from .ladder import _Config, _ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
 from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
 from .workers import fit_ahead, resolve_workers
@@ -201,73 +202,117 @@ def plan(
     if dev.total_bytes is None:
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
     link_gbps(dev, interconnect)  # an unknown interconnect fails here, not after the fits
-    n_workers = resolve_workers(workers)
+    rungs = _rungs(wl, dev, gpus, precision, checkpointing, tensor_parallel, sequence_parallel, gpus_per_node)
+    walk = _Walk(wl, dev, gpus, global_batch_size, margin, interconnect, progress)
+    walk.climb(rungs, resolve_workers(workers))
+    if walk.chosen is None:
+        raise _nothing_fits(wl, dev, gpus, rungs)
+    return _plan_of(walk, lr)
+
+
+def _rungs(
+    wl: Workload, dev: Device, gpus: int, precision: str | None, checkpointing: Any, tensor_parallel: int | None,
+    sequence_parallel: bool | None, gpus_per_node: int,
+) -> list[_Config]:  # fmt: skip
+    """The ladder's configurations, cheapest remedies first, with a fixed tensor-parallel degree kept alone."""
     degrees, sequence_parallel = _tensor_parallel_degrees(wl, gpus, tensor_parallel, sequence_parallel, gpus_per_node)
-    configs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks), degrees, sequence_parallel)
+    rungs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks), degrees, sequence_parallel)
     if tensor_parallel is not None:
-        configs = [c for c in configs if c.tensor_parallel == max(1, tensor_parallel)]
+        rungs = [c for c in rungs if c.tensor_parallel == max(1, tensor_parallel)]
+    return rungs
 
-    def share_of(config: Any) -> int:
-        return rank_shares(global_batch_size, config.data_parallel(gpus))[0]
 
-    budget = int(dev.total_bytes * (1 - margin))
+@dataclass
+class _Walk:
+    """One walk up the ladder: each rung that could fit is fitted, the first that fits is chosen, and up to
+    ``ALTERNATIVES`` more are fitted to be shown beside it."""
+
+    wl: Workload
+    dev: Device
+    gpus: int
+    global_batch_size: int
+    margin: float
+    interconnect: str
+    progress: Callable[[str], None] | None
     chosen: _Fitted | None = None
-    options: list[tuple[_Fitted, PlanOption]] = []
-    # The loop below fits each of the first 1 + ALTERNATIVES configurations that could fit (unless one
-    # errs): all but the first can be fitted ahead, as the loop asks for them once a first one fits.
-    first: list[Any] = []
-    for config in configs:
-        if len(first) > ALTERNATIVES:
-            break
-        if not _split_after_whole(config, first) and _could_fit(wl, dev, config, gpus, budget):
-            first.append(config)
+    options: list[tuple[_Fitted, PlanOption]] = field(default_factory=list)
+    failed: list[tuple[_Config, TraceError]] = field(default_factory=list)
+    """Rungs whose step could not be traced (a model whose ops mix dtypes under autocast), left out and
+    said so once another rung's step ran; the first step traced failing is the plan's error instead (a
+    bug in the step, not in one configuration of it)."""
+    traced: bool = False
 
-    def labelled(config: Any, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    def share_of(self, config: _Config) -> int:
+        """Items of the global batch the first rank (group) takes under ``config``."""
+        return rank_shares(self.global_batch_size, config.data_parallel(self.gpus))[0]
+
+    def could_fit(self, config: _Config) -> bool:
+        """Whether ``config``'s parameters, gradients and optimizer states alone leave room (no trace)."""
+        return _could_fit(self.wl, self.dev, config, self.gpus, int(self.dev.total_bytes * (1 - self.margin)))
+
+    def first_rungs(self, rungs: list[_Config]) -> list[_Config]:
+        """The rungs the walk fits if none errs: the first 1 + ``ALTERNATIVES`` that could fit (all but the
+        first can be fitted ahead, in other processes, while the walk reaches them)."""
+        first: list[_Config] = []
+        for config in rungs:
+            if len(first) > ALTERNATIVES:
+                break
+            if not _split_after_whole(config, first) and self.could_fit(config):
+                first.append(config)
+        return first
+
+    def labelled(self, config: _Config, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
         """``progress`` with each line prefixed by the configuration's remedies."""
         label = ", ".join(config.remedies) or "fp32"
         return None if progress is None else (lambda text: progress(f"{label}: {text}"))
 
-    def fit_later(config: Any, progress: Callable[[str], None] | None = None) -> None:
-        with contextlib.suppress(TraceError):  # raised again, and reported, when the loop reaches it
-            _fit_config(wl, dev, config, gpus, share_of(config), margin, verify=False,
-                        progress=labelled(config, progress))  # fmt: skip
+    def fit_later(self, config: _Config, progress: Callable[[str], None] | None = None) -> None:
+        """Fit ``config`` ahead of the walk (its answer cached); an error is raised again when the walk
+        reaches it."""
+        with contextlib.suppress(TraceError):
+            _fit_config(self.wl, self.dev, config, self.gpus, self.share_of(config), self.margin, verify=False,
+                        progress=self.labelled(config, progress))  # fmt: skip
 
-    # A configuration whose step cannot be traced (a model whose ops mix dtypes under autocast) is left
-    # out, and said so, once another configuration's step has run; the first step traced failing is the
-    # plan's error (a bug in the step, not in one configuration of it).
-    failed: list[tuple[Any, TraceError]] = []
-    traced = False
-
-    with fit_ahead(wl, first, n_workers, fit_later) as ahead:
-        if ahead.children and progress is not None:
-            progress(f"fitting {len(first) - 1} more configurations in {ahead.children} other "
-                     f"process{'es' if ahead.children > 1 else ''}")  # fmt: skip
-        for config in configs:
-            if chosen is not None and len(options) > ALTERNATIVES:
-                break
-            if chosen is not None and _split_after_whole(config, [chosen.config]):
-                continue
-            try:
-                if not _could_fit(wl, dev, config, gpus, budget):
+    def climb(self, rungs: list[_Config], workers: int) -> None:
+        """Fit the rungs in order until one fits and ``ALTERNATIVES`` more have been fitted beside it."""
+        first = self.first_rungs(rungs)
+        with fit_ahead(self.wl, first, workers, self.fit_later) as ahead:
+            if ahead.children and self.progress is not None:
+                self.progress(f"fitting {len(first) - 1} more configurations in {ahead.children} other "
+                              f"process{'es' if ahead.children > 1 else ''}")  # fmt: skip
+            for config in rungs:
+                if self.chosen is not None and len(self.options) > ALTERNATIVES:
+                    break
+                if self.chosen is not None and _split_after_whole(config, [self.chosen.config]):
                     continue
-                ahead.wait(config, lambda later: fit_later(later, progress))
-                step = labelled(config, progress)
-                fitted = _fit_config(wl, dev, config, gpus, share_of(config), margin, verify=chosen is None,
-                                     progress=step)  # fmt: skip
-            except TraceError as e:
-                if not traced:
-                    raise
-                failed.append((config, e))
-                continue
-            traced = True
-            if fitted is None:
-                continue
-            option = _option(fitted, dev, gpus, global_batch_size, interconnect)
-            options.append((fitted, option))
-            if chosen is None:
-                chosen = fitted
-    if chosen is None:
-        raise _nothing_fits(wl, dev, gpus, configs)
+                self.step(config, ahead)
+
+    def step(self, config: _Config, ahead: Any) -> None:
+        """Fit one rung (unless it cannot fit), and keep it as the plan or as an alternative."""
+        try:
+            if not self.could_fit(config):
+                return
+            ahead.wait(config, lambda later: self.fit_later(later, self.progress))
+            fitted = _fit_config(self.wl, self.dev, config, self.gpus, self.share_of(config), self.margin,
+                                 verify=self.chosen is None, progress=self.labelled(config, self.progress))  # fmt: skip
+        except TraceError as e:
+            if not self.traced:
+                raise
+            self.failed.append((config, e))
+            return
+        self.traced = True
+        if fitted is None:
+            return
+        self.options.append((fitted, _option(fitted, self.dev, self.gpus, self.global_batch_size, self.interconnect)))
+        if self.chosen is None:
+            self.chosen = fitted
+
+
+def _plan_of(walk: _Walk, lr: Any) -> Plan:
+    """The plan of the chosen rung: the global batch split into micro-batches at its largest micro-batch,
+    the estimate at the micro-batch the split uses, its warnings, and the alternatives fastest first."""
+    chosen, wl, dev, gpus, global_batch_size = walk.chosen, walk.wl, walk.dev, walk.gpus, walk.global_batch_size
+    assert chosen is not None
     result, config, fitted_wl = chosen.result, chosen.config, chosen.workload
     splits = plan_splits(config, global_batch_size, gpus, result.max_batch_size)
     micro = max(max(s) for s in splits)
@@ -279,14 +324,14 @@ def plan(
     if fitted_wl.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
         est = dataclasses.replace(est, accumulation_steps=accumulation)
     warnings = _warnings(wl, micro, global_batch_size, config.data_parallel(gpus)) + tuple(
-        f"not considered: {', '.join(c.remedies) or 'fp32'}, whose step failed when traced: {e}" for c, e in failed
+        f"not considered: {', '.join(c.remedies) or 'fp32'}, whose step failed when traced: {e}" for c, e in walk.failed
     )
     if result.expandable_max_batch_size and accumulation > 1:  # a larger micro-batch would cut the accumulation
         warnings += (expandable_remedy(result.max_batch_size, result.expandable_max_batch_size),)
     if result.known_error:
         warnings += (result.known_error,)
-    picked = next(o for f, o in options if f is chosen)
-    alternatives = tuple(sorted((o for f, o in options if f is not chosen), key=_by_time))
+    picked = next(o for f, o in walk.options if f is chosen)
+    alternatives = tuple(sorted((o for f, o in walk.options if f is not chosen), key=_by_time))
     tokens = wl.tokens_per_item * global_batch_size if wl.tokens_per_item else None
     return Plan(
         global_batch_size=global_batch_size,
@@ -309,7 +354,7 @@ def plan(
         scaled_lr=None if lr is None else lr.lr,
         lr_rule=None if lr is None else lr.rule,
         predicted_step_s=picked.predicted_step_s,
-        interconnect=str(interconnect),
+        interconnect=str(walk.interconnect),
         changes_numerics=picked.changes_numerics,
         tensor_parallel=config.tensor_parallel,
         sequence_parallel=config.sequence_parallel,
