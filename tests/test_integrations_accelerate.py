@@ -155,3 +155,11 @@ def test_the_precision_reaches_the_plan() -> None:
     )(lambda micro_batch_size, accumulation_steps: (micro_batch_size, accumulation_steps))
     assert run() == (run.plan.micro_batch_size, run.plan.accumulation_steps)
     assert run.plan.precision == "bf16" and run.plan.micro_batch_size * run.plan.accumulation_steps == GLOBAL_BATCH
+
+
+def test_a_preset_name_is_a_workload_and_an_unknown_one_fails_when_decorating() -> None:
+    run = find_executable_batch_size(64, device="1GiB", workload="mlp")(lambda micro, accumulation: micro)
+    assert run.workload.name == "mlp"
+    assert run._first_micro(64, 1) == 64  # the plan's micro-batch, planned for the named preset
+    with pytest.raises(ConfigError, match="no-such-preset"):
+        find_executable_batch_size(64, device="1GiB", workload="no-such-preset")(lambda micro, accumulation: micro)

@@ -15,9 +15,12 @@ import pickle
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .keys import Uncacheable, _describe, _digest, _settings, describe_model, installed, trace_key, workload_digest
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 __all__ = [
     "CACHE",
@@ -114,7 +117,7 @@ class TraceCache:
     def clear_memory(self) -> None:
         self._memory.clear()
 
-    def fact(self, kind: str, workload: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()) -> Any:
+    def fact(self, kind: str, workload: Workload, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()) -> Any:
         """A result derived from ``workload`` (its state bytes, its BatchNorm layers, a fit's answer for
         ``extra``'s settings), computed once and kept beside the traces, so that a repeated plan builds
         no model and replays no allocator."""
@@ -130,7 +133,7 @@ class TraceCache:
         return found
 
     def device_fact(
-        self, kind: str, workload: Any, device: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()
+        self, kind: str, workload: Workload, device: Any, param_dtype: Any, compute: Callable[[], Any], extra: Any = ()
     ) -> Any:
         """``fact`` for a result on a modelled device (a fit, an estimate): the device and the cuDNN
         settings its kernel model reads are part of the key, beside ``extra``."""

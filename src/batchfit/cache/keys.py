@@ -26,7 +26,10 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 # NOTE [ What a trace depends on ]
 # A trace is a function of: the model (its modules' classes and the code of their methods, every
@@ -347,7 +350,7 @@ def _installed_version(name: str) -> str:
         return "-"
 
 
-def _structure(workload: Any, param_dtype: Any) -> Any:
+def _structure(workload: Workload, param_dtype: Any) -> Any:
     """The workload's model to describe: the instance given, else built on the meta device (no fake
     mode: importing it costs more than the build), else on fake tensors when meta refuses."""
     import torch
@@ -368,7 +371,7 @@ def _structure(workload: Any, param_dtype: Any) -> Any:
         return fake_model(workload, param_dtype)
 
 
-def workload_digest(workload: Any, param_dtype: Any) -> str:
+def workload_digest(workload: Workload, param_dtype: Any) -> str:
     """The digest of everything about ``workload`` a trace depends on (cached per workload object).
 
     Raises:
@@ -409,7 +412,7 @@ def workload_digest(workload: Any, param_dtype: Any) -> str:
 _WORKLOAD_MEMO: dict[tuple[int, str], tuple[Callable[[], Any], str, tuple[Any, ...]]] = {}
 
 
-def trace_key(workload: Any, batch_size: int, device: Any, policy: Any, classes: tuple[type, ...]) -> str:
+def trace_key(workload: Workload, batch_size: int, device: Any, policy: Any, classes: tuple[type, ...]) -> str:
     """The cache key of one trace (see NOTE [ What a trace depends on ]).
 
     Raises:

@@ -11,11 +11,14 @@ import json
 import sys
 from collections.abc import Iterator
 from enum import Enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 PresetArg = Annotated[
     str,
@@ -176,7 +179,7 @@ def workload(
     lora: str | None = None,
     lora_targets: str | None = None,
     fused_loss: str | None = None,
-) -> Any:
+) -> Workload:
     from ..sources import load, parse_lora
 
     adapters = None

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from .options import BaseBatchSizeOpt, BaseLrOpt, LrRule, LrRuleOpt
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 def report(
@@ -102,7 +105,7 @@ def report(
 
 
 def _write(
-    wl: Any, dev: Any, output: str | Path, *, png_dir: Any, snapshot: Any, quiet: bool, **options: Any
+    wl: Workload, dev: Any, output: str | Path, *, png_dir: Any, snapshot: Any, quiet: bool, **options: Any
 ) -> dict[str, Any]:
     """Build and write the report (and PNGs, snapshot); returns what was written, for text or JSON."""
     from ..memory.allocator.snapshot import write_snapshot

@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from ..batching import Batch, batch_size_of, map_tensors
 from ..errors import ConfigError, DoesNotFitError, MissingExtraError
 from ..gpu.catalog import Device
 from ..units import format_bytes
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 def require(module: str, extra: str, integration: str) -> ModuleType:
@@ -86,7 +89,7 @@ def plan_device(device: Any) -> Device:
 
 
 def equal_plan(
-    workload: Any,
+    workload: Workload,
     global_batch_size: int,
     *,
     device: Any,
@@ -120,7 +123,7 @@ def equal_plan(
 
 
 def _first_fitting(
-    workload: Any,
+    workload: Workload,
     global_batch_size: int,
     share: int,
     world_size: int,
@@ -168,7 +171,7 @@ def _first_fitting(
     )
 
 
-def one_item_estimate(workload: Any, dev: Device, precision: str, checkpointing: bool) -> Any:
+def one_item_estimate(workload: Workload, dev: Device, precision: str, checkpointing: bool) -> Any:
     """The estimate of a step of one item: the cheapest test of whether a configuration can fit at all
     (one trace, where a plan that cannot fit searches the catalog for where it would)."""
     from ..memory.estimate import estimate
@@ -176,7 +179,7 @@ def one_item_estimate(workload: Any, dev: Device, precision: str, checkpointing:
     return estimate(workload, 1, device=dev, precision=precision, checkpointing="blocks" if checkpointing else None)
 
 
-def _equalised(workload: Any, found: Any, share: int, dev: Device) -> Any:
+def _equalised(workload: Workload, found: Any, share: int, dev: Device) -> Any:
     """``found`` with ``micro`` x ``accumulation`` equal on every rank (see the module docstring)."""
     micro = largest_divisor_at_most(share, found.max_micro_batch_size)
     steps = share // micro

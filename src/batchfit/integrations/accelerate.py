@@ -93,6 +93,10 @@ class ExecutableBatchSize:
         functools.update_wrapper(self, function)
         self.function = function
         self.global_batch_size = global_batch_size
+        if isinstance(workload, str):  # a preset name, hub id or spec: resolved once, here (an unknown one fails now)
+            from ..sources import load
+
+            workload = load(workload)
         self.device, self.workload = device, workload
         self.micro_batch_size, self.world_size = micro_batch_size, world_size
         self.precision, self.checkpointing, self.margin = precision, checkpointing, margin

@@ -20,11 +20,14 @@ moves between the start of backward and the optimizer step with batch size.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..precision import PrecisionPolicy
 from .categories import Category
 from .trace.fake_step import MemoryTrace
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 def _transformer_shape(config: dict[str, Any]) -> tuple[int, int, int, int] | None:
@@ -55,7 +58,7 @@ def trainable_tensors(trace: MemoryTrace) -> list[tuple[int, int | None]]:
     ]
 
 
-def optimizer_name(workload: Any) -> str:
+def optimizer_name(workload: Workload) -> str:
     """The optimizer's name: a named factory's (``sources.optim``, the HF adapter's ``args.optim``), else
     a preset's knob, else ``adamw`` (what the equation assumes of an optimizer it cannot name)."""
     name = getattr(workload.optimizer, "name", None)
@@ -65,7 +68,7 @@ def optimizer_name(workload: Any) -> str:
 
 
 def analytic_estimate(
-    workload: Any, batch_size: int, policy: PrecisionPolicy, trace: MemoryTrace
+    workload: Workload, batch_size: int, policy: PrecisionPolicy, trace: MemoryTrace
 ) -> dict[str, Any]:
     """The equation's terms in bytes, and what they were computed from.
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..gpu.catalog import Device
 from .allocator.caching import replay, round_size
@@ -25,6 +25,9 @@ from .categories import ORDER, Category
 from .kernels.cudnn import WORKSPACE
 from .trace.fake_step import MemoryTrace
 from .trace.heap import full_collections_deferred
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
 
 
 def estimate(
-    workload: Any,
+    workload: Workload | str,
     batch_size: int,
     *,
     device: str | Device = "cpu",
@@ -299,7 +302,7 @@ def estimate(
 
 @full_collections_deferred
 def trace_for_device(
-    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
+    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
     announce: Callable[[], None] | None = None,
 ) -> MemoryTrace:  # fmt: skip
     """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind, from the
@@ -330,7 +333,7 @@ def trace_for_device(
 
 
 def cached_trace(
-    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace | None:
     """The trace the cache holds of this step, or None: never traces (a guess may use what is known)."""
     from ..cache import CACHE
@@ -339,7 +342,9 @@ def cached_trace(
     return None if key is None else CACHE.get(key, [], count=False)
 
 
-def _cache_key(workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]) -> str | None:
+def _cache_key(
+    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+) -> str | None:
     """The trace cache's key of this step (None: the workload cannot be described, so is not cached)."""
     from ..cache import Uncacheable, trace_key
 
@@ -350,7 +355,7 @@ def _cache_key(workload: Any, batch_size: int, device: Device, policy: Any, clas
 
 
 def _trace_for_device(
-    workload: Any, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace:
     from .synthesis.depth import trace_deep
     from .trace.fake_step import trace_workload
@@ -385,7 +390,7 @@ def _trace_for_device(
 
 def finish_estimate(
     trace: MemoryTrace,
-    workload: Any,
+    workload: Workload,
     batch_size: int,
     device: Device,
     policy: Any,
@@ -410,7 +415,7 @@ def finish_estimate(
     )
 
 
-def with_accumulation(workload: Any, accumulation_steps: Any) -> Any:
+def with_accumulation(workload: Workload, accumulation_steps: Any) -> Workload:
     """``workload`` with ``accumulation_steps`` (checked: a whole number >= 1); None keeps its own."""
     if accumulation_steps is None or accumulation_steps == workload.accumulation_steps:
         return workload
@@ -419,7 +424,7 @@ def with_accumulation(workload: Any, accumulation_steps: Any) -> Any:
     return dataclasses.replace(workload, accumulation_steps=check_batch_size(accumulation_steps, "accumulation_steps"))
 
 
-def with_layout(workload: Any, layout: Any) -> Any:
+def with_layout(workload: Workload, layout: Any) -> Workload:
     """``workload`` as one rank of ``layout`` runs it (checked: whole numbers >= 1); None keeps its own."""
     if layout is None:
         return workload
@@ -435,7 +440,7 @@ def with_layout(workload: Any, layout: Any) -> Any:
     return dataclasses.replace(workload, parallel=layout if layout.world_size > 1 else None)
 
 
-def _as_workload(workload: Any) -> Any:
+def _as_workload(workload: Any) -> Workload:
     from ..workload import Workload
 
     if isinstance(workload, Workload):

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..workload import model_tensors, trainable_parameters
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 @dataclass(frozen=True)
@@ -42,14 +45,14 @@ class StateBytes:
         return self.parameters, self.gradients, self.optimizer_states
 
 
-def state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
+def state_bytes(workload: Workload, param_dtype: torch.dtype | None) -> StateBytes:
     """The parameters, gradients and optimizer states of ``workload`` in ``param_dtype`` (cached)."""
     from ..cache import CACHE
 
     return CACHE.fact("state bytes", workload, param_dtype, lambda: _state_bytes(workload, param_dtype))
 
 
-def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
+def _state_bytes(workload: Workload, param_dtype: torch.dtype | None) -> StateBytes:
     from ..errors import BatchfitError, TraceError
     from .steps import default_dtype, prefer_foreach
     from .synthesis.stacks import synthesis_enabled
@@ -92,7 +95,7 @@ def _state_bytes(workload: Any, param_dtype: torch.dtype | None) -> StateBytes:
     return result
 
 
-def _cut_plan(workload: Any, param_dtype: torch.dtype | None) -> Any:
+def _cut_plan(workload: Workload, param_dtype: torch.dtype | None) -> Any:
     from .synthesis.stackplan import plan_cut
 
     plan = plan_cut(workload, param_dtype)

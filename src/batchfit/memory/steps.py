@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..batching import Batch
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 #: Phases of a step, in order; the tracer marks them on its timeline.
 PHASES = ("batch", "forward", "backward", "optimizer", "zero_grad")
@@ -128,7 +131,7 @@ def prefer_foreach(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def build_for_steps(
-    workload: Any,
+    workload: Workload,
     param_dtype: torch.dtype | None,
     checkpoint_classes: tuple[type, ...],
     *,
@@ -172,7 +175,7 @@ def build_for_steps(
 
 
 def run_workload_steps(
-    workload: Any,
+    workload: Workload,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch_size: int,
@@ -211,7 +214,7 @@ def run_workload_steps(
     )
 
 
-def _loss_context(workload: Any, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
+def _loss_context(workload: Workload, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
     """``loss_parallel`` around forward and backward when the workload's layout splits its loss."""
     layout = getattr(workload, "parallel", None)
     if layout is None or layout.tensor_parallel <= 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from ..errors import ConfigError
 from ..gpu.catalog import Device, get_device
 from ..precision import PrecisionPolicy, policy_for
 from ..runtime.simulated import SimulatedDevice
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 def is_modelled(device: Any) -> bool:
@@ -49,7 +52,7 @@ def device_budget(device: str | Device | SimulatedDevice, margin: float) -> tupl
 
 
 def fit_setting(
-    workload: Any, device: str | Device | SimulatedDevice, margin: float, precision: str, checkpointing: Any
+    workload: Workload, device: str | Device | SimulatedDevice, margin: float, precision: str, checkpointing: Any
 ) -> tuple[Device, int, PrecisionPolicy, tuple[type, ...]]:
     """What a search of ``workload`` on ``device`` runs against: the device, its budget, the precision
     policy and the checkpointed classes."""
@@ -60,7 +63,7 @@ def fit_setting(
 
 def real_step(
     device: str | Device | SimulatedDevice, budget: int, policy: PrecisionPolicy, classes: tuple[type, ...]
-) -> Callable[[Any, int], bool] | None:
+) -> Callable[[Workload, int], bool] | None:
     """``(workload, batch_size) -> fits`` by running real steps on ``device``; None on a modelled device."""
     if isinstance(device, SimulatedDevice):
         return lambda workload, batch_size: _simulated_step_fits(workload, batch_size, budget, policy, classes)
@@ -76,7 +79,7 @@ def _is_cuda(device: Any) -> bool:
 
 
 def _simulated_step_fits(
-    workload: Any, batch_size: int, capacity: int, policy: PrecisionPolicy, classes: tuple[type, ...]
+    workload: Workload, batch_size: int, capacity: int, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> bool:
     """Run two real steps at ``batch_size`` inside a fresh simulated device; False on its OOM."""
     from ..memory.steps import build_for_steps, run_workload_steps

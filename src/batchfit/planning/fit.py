@@ -13,7 +13,7 @@ batch, which ``planning/seqlen.py`` answers the same way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
@@ -26,10 +26,13 @@ from .known_error import keep_known_errors, table_key
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
 from .seqlen import check_seq_request, fit_seq_len
 
+if TYPE_CHECKING:
+    from ..workload import Workload
+
 __all__ = ["FitAttempt", "FitResult", "fit"]
 
 def fit(
-    workload: Any,
+    workload: Workload | str,
     device: str | Device | SimulatedDevice,
     *,
     precision: str = "fp32",
@@ -119,7 +122,7 @@ def fit(
 
 
 def _fit(
-    workload: Any,
+    workload: Workload,
     device: str | Device | SimulatedDevice,
     precision: str,
     checkpointing: Any,

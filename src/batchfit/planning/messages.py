@@ -7,15 +7,18 @@ Each message names the observation and the change to make (a GPU, a GPU count, a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device, catalog
 from .fit import fit
 from .ladder import _Config
 
+if TYPE_CHECKING:
+    from ..workload import Workload
 
-def _warnings(wl: Any, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
+
+def _warnings(wl: Workload, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
     from ..advice.batchnorm import advice_for_layers, layer_facts
     from ..cache import CACHE
     from ..memory.trace.fake_step import fake_model
@@ -47,7 +50,7 @@ def with_article(name: str) -> str:
     return f"{'an' if vowel else 'a'} {name}"
 
 
-def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
+def _nothing_fits(wl: Workload, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
     """One line naming where it would fit: the smallest catalog GPU, or enough GPUs to shard over."""
     unsharded = [r for r in rungs if not r.sharded and r.tensor_parallel == 1] or rungs
     prec, ck = unsharded[-1].precision, unsharded[-1].checkpointing
@@ -83,7 +86,7 @@ def _nothing_fits(wl: Any, dev: Device, gpus: int, rungs: list[_Config]) -> Does
     )
 
 
-def _fewest_items(wl: Any, dev: Device, rung: _Config) -> tuple[str, str]:
+def _fewest_items(wl: Workload, dev: Device, rung: _Config) -> tuple[str, str]:
     """"one item", or "two items" and why when a step of one item cannot run at all (BatchNorm after a
     global pooling needs two values per channel): the fits then tried two, and the message says so."""
     from .options import fit_estimate_at

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..batching import make_splits
 from ..errors import DoesNotFitError, TraceError
@@ -19,6 +19,9 @@ from ..gpu.catalog import Device
 from ..memory.estimate import Estimate, with_accumulation
 from .fit import FitResult, fit
 from .ladder import _Config, most_split
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,10 @@ def _by_time(option: PlanOption) -> float:
 class _Fitted:
     config: _Config
     result: FitResult
-    workload: Any
+    workload: Workload
 
 
-def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
+def _could_fit(wl: Workload, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
     """False when the model's state alone (no activations, no batch) exceeds the GPU: no trace needed."""
     from ..memory.states import state_bytes
     from ..precision import policy_for
@@ -72,7 +75,7 @@ def _could_fit(wl: Any, dev: Device, config: _Config, gpus: int, budget: int) ->
     return held + dev.context_bytes <= budget
 
 
-def config_workload(wl: Any, config: _Config, gpus: int) -> Any:
+def config_workload(wl: Workload, config: _Config, gpus: int) -> Workload:
     """``wl`` as one rank of ``config`` runs it: its ``ParallelLayout`` set under tensor parallelism."""
     layout = config.layout(gpus)
     if layout is None:
@@ -83,7 +86,7 @@ def config_workload(wl: Any, config: _Config, gpus: int) -> Any:
 
 
 def _fit_config(
-    wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
+    wl: Workload, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Any = None,
 ) -> _Fitted | None:  # fmt: skip
     """The largest micro-batch (at most the share) of one configuration, or None when none fits.
@@ -108,7 +111,7 @@ def _fit_config(
 
 
 def _fit_config_uncached(
-    wl: Any, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
+    wl: Workload, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Any = None,
 ) -> _Fitted | None:  # fmt: skip
     if config.tensor_parallel > 1 and not one_item_fits(wl, dev, most_split(config), gpus, margin, progress):
@@ -145,7 +148,7 @@ def _fit_config_uncached(
     return None if result is None else _Fitted(config, result, accumulating)
 
 
-def one_item_fits(wl: Any, dev: Device, config: _Config, gpus: int, margin: float, progress: Any = None) -> bool:
+def one_item_fits(wl: Workload, dev: Device, config: _Config, gpus: int, margin: float, progress: Any = None) -> bool:
     """Whether one rank of ``config`` fits a step of one item (one trace, kept with the others)."""
     budget = int((dev.total_bytes or 0) * (1 - margin))
     announce = None if progress is None else lambda: progress(
@@ -157,7 +160,7 @@ def one_item_fits(wl: Any, dev: Device, config: _Config, gpus: int, margin: floa
 
 
 def _may_fit_whole(
-    result: FitResult, wl: Any, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
+    result: FitResult, wl: Workload, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
 ) -> bool:
     """Whether the plain step of the whole share could fit although the accumulating step at the share
     does not, predicted from the plain steps the accumulating ones were written from where the cache has
@@ -240,7 +243,7 @@ def plan_splits(config: _Config, global_batch_size: int, gpus: int, micro_batch_
 
 
 def fit_estimate_at(
-    wl: Any, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int,
+    wl: Workload, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int,
     announce: Any = None,
 ) -> Estimate:  # fmt: skip
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so

@@ -140,7 +140,7 @@ ALTERNATIVES = 3
 
 
 def plan(
-    workload: Any,
+    workload: Workload | str,
     global_batch_size: int,
     *,
     device: str | Device,
@@ -372,7 +372,7 @@ def _split_after_whole(config: Any, before: list[Any]) -> bool:
 
 
 def _tensor_parallel_degrees(
-    wl: Any, gpus: int, asked: int | None, sequence_parallel: bool | None, gpus_per_node: int
+    wl: Workload, gpus: int, asked: int | None, sequence_parallel: bool | None, gpus_per_node: int
 ) -> tuple[tuple[int, ...], bool | None]:
     """The tensor-parallel degrees the ladder tries: the one asked for (checked), else every degree up to a
     node that splits the model's plan and divides the GPUs; none for a model without a plan. With them,
@@ -411,7 +411,9 @@ def _tensor_parallel_degrees(
     return degrees, sequence_parallel
 
 
-def _scaled_lr(wl: Any, global_batch_size: int, base_lr: float | None, base_batch_size: int | None, rule: str) -> Any:
+def _scaled_lr(
+    wl: Workload, global_batch_size: int, base_lr: float | None, base_batch_size: int | None, rule: str
+) -> Any:
     """``LrScaling`` of ``base_lr`` to the global batch, or None without a reference learning rate."""
     if base_lr is None and base_batch_size is None:
         return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError, DoesNotFitError, TraceError
 from ..gpu.catalog import Device
@@ -23,6 +23,9 @@ from ..memory.synthesis.scaling import TraceLine
 from ..memory.trace.fake_step import MemoryTrace
 from ..precision import PrecisionPolicy
 from ..units import format_bytes
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 _MAX_BATCH = 1 << 40
 
@@ -119,7 +122,7 @@ class _Search:
 
     def __init__(
         self,
-        workload: Any,
+        workload: Workload,
         device: Device,
         policy: PrecisionPolicy,
         classes: tuple[type, ...],
@@ -165,7 +168,7 @@ class _Search:
         """The batch size of a step at search point ``b`` (here the point is the batch size)."""
         return b
 
-    def step_at(self, b: int) -> tuple[Any, int, str]:
+    def step_at(self, b: int) -> tuple[Workload, int, str]:
         """The workload and batch size of search point ``b``, and the step in words (for progress)."""
         return self.workload, b, f"{b} item{'s' if b != 1 else ''}"
 
@@ -200,7 +203,7 @@ class _Search:
             self.known_error = known.describe(self.known_error_bytes)
             self.budget -= self.known_error_bytes
 
-    def real(self, b: int, step_fits: Callable[[Any, int], bool]) -> bool:
+    def real(self, b: int, step_fits: Callable[[Workload, int], bool]) -> bool:
         """Whether a real step at search point ``b`` runs (``step_fits(workload, batch_size)``), recorded."""
         workload, batch_size, _ = self.step_at(b)
         self.trials += 1
@@ -208,7 +211,7 @@ class _Search:
         self.attempts.append(self.attempt(b, None, ok, "real"))
         return ok
 
-    def _estimate(self, trace: MemoryTrace, b: int, workload: Any = None) -> Estimate:
+    def _estimate(self, trace: MemoryTrace, b: int, workload: Workload | None = None) -> Estimate:
         """The estimate of ``trace`` at search point ``b`` (of the searched workload unless ``workload``)."""
         if self.shard_over > 1:
             from ..memory.synthesis.sharding import shard_trace
@@ -269,7 +272,7 @@ def _largest_predicted(search: _Search, line: Predictor, known_fit: int, cap: in
 
 
 def _does_not_fit(
-    workload: Any, device: Device, est: Estimate, budget: int, one_fails: str = "", *, at: str = "",
+    workload: Workload, device: Device, est: Estimate, budget: int, one_fails: str = "", *, at: str = "",
     remedies: tuple[str, ...] = (),
 ) -> DoesNotFitError:  # fmt: skip
     """``est`` is the smallest step traced: batch size 1, or 2 when ``one_fails`` says why a step of one item

@@ -25,7 +25,7 @@ traced at its own length, twice and four times it, and the curve extrapolated.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchfitError, ConfigError
 from ..gpu.catalog import Device
@@ -36,11 +36,14 @@ from ..runtime.simulated import SimulatedDevice
 from .budget import fit_setting, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
 
+if TYPE_CHECKING:
+    from ..workload import Workload
+
 __all__ = ["check_seq_request", "fit_seq_len"]
 
 
 def check_seq_request(
-    workload: Any, maximize: str, batch_size: int | None, seq_multiple: int, max_batch_size: int | None
+    workload: Workload, maximize: str, batch_size: int | None, seq_multiple: int, max_batch_size: int | None
 ) -> bool:
     """Whether ``fit`` is asked for the longest sequence (True) or the largest batch (False).
 
@@ -83,14 +86,14 @@ def check_seq_request(
 class _SeqSearch(_Search):
     """A search whose point ``k`` is the step at ``batch_size`` with sequences of ``k * multiple`` tokens."""
 
-    def __init__(self, workload: Any, *args: Any, batch_size: int, multiple: int, **kwargs: Any) -> None:
+    def __init__(self, workload: Workload, *args: Any, batch_size: int, multiple: int, **kwargs: Any) -> None:
         super().__init__(workload, *args, **kwargs)
         self.batch_size, self.multiple = batch_size, multiple
         self.unit = str(workload.config.get("seq_unit", "tokens"))
         self.curve: _InUnits | None = None
-        self._rebuilt: dict[int, Any] = {}
+        self._rebuilt: dict[int, Workload] = {}
 
-    def workload_at(self, k: int) -> Any:
+    def workload_at(self, k: int) -> Workload:
         """The workload rebuilt at ``k * multiple`` tokens (checked: a ``Workload``, or one clear error)."""
         if k not in self._rebuilt:
             from ..workload import Workload
@@ -113,7 +116,7 @@ class _SeqSearch(_Search):
     def batch_size_at(self, k: int) -> int:
         return self.batch_size
 
-    def step_at(self, k: int) -> tuple[Any, int, str]:
+    def step_at(self, k: int) -> tuple[Workload, int, str]:
         b = self.batch_size
         return self.workload_at(k), b, f"{b} item{'s' if b != 1 else ''} of {k * self.multiple} {self.unit}"
 
@@ -132,7 +135,7 @@ class _InUnits:
 
 
 def fit_seq_len(
-    workload: Any,
+    workload: Workload,
     device: str | Device | SimulatedDevice,
     batch_size: int,
     seq_multiple: int,

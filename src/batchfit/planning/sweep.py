@@ -11,13 +11,16 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..memory.estimate import _as_workload, check_batch_size
 from ..memory.steps import loss_for_backward
 from ..workload import trainable_parameters
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 #: A batch size within this fraction of the best throughput counts as "as fast" (the knee rule).
 KNEE_TOLERANCE = 0.03
@@ -132,7 +135,7 @@ def parse_batch_sizes(text: str, option: str = "--batch-sizes") -> list[int]:
 
 
 def sweep(
-    workload: Any,
+    workload: Workload | str,
     device: str = "cpu",
     batch_sizes: list[int] | None = None,
     steps: int = 5,

@@ -36,9 +36,12 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 __all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
 
@@ -224,7 +227,7 @@ class FitAhead:
 
 
 @contextlib.contextmanager
-def fit_ahead(workload: Any, configs: list[Any], workers: int, fit_one: Any) -> Iterator[FitAhead]:
+def fit_ahead(workload: Workload, configs: list[Any], workers: int, fit_one: Any) -> Iterator[FitAhead]:
     """Children fitting ``configs[1:]`` (``fit_one(config)`` each) while the caller fits ``configs[0]``."""
     rest = configs[1:]
     ahead = FitAhead(rest)
@@ -280,7 +283,7 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _cacheable(workload: Any) -> bool:
+def _cacheable(workload: Workload) -> bool:
     """Whether the plan's facts about ``workload`` are kept on disk (how a child's answer comes back)."""
     from ..cache import Uncacheable, workload_digest
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, DoesNotFitError
 from ..memory.trace.fake_step import MemoryTrace
@@ -22,6 +22,9 @@ from .figures import (
     plot_memory_timeline,
     plot_throughput,
 )
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 #: Global batch planned when none is given: GPT-2's 512 sequences (0.5M tokens at 1024 per sequence).
 DEFAULT_GLOBAL_BATCH_SIZE = 512
@@ -68,7 +71,7 @@ class Report:
 
 
 def build_report(
-    workload: Any,
+    workload: Workload | str,
     *,
     device: Any = "A100-40GB",
     global_batch_size: int | None = None,

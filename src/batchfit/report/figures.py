@@ -13,13 +13,16 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..memory.allocator.caching import round_size
 from ..memory.categories import ORDER, Category
 from ..memory.trace.fake_step import MemoryTrace
 from ..units import GiB, KiB, MiB, format_bytes
 from .plots import _pyplot, plot_sweep
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 #: One colour per category, the same in every figure (matplotlib's tab10, in the order of ``ORDER``).
 COLORS = {
@@ -105,7 +108,7 @@ def _curve_sizes(upper: int, points: int, marked: Sequence[int] = ()) -> list[in
 
 
 def estimates_over_batch_sizes(
-    wl: Any,
+    wl: Workload,
     dev: Any,
     policy: Any,
     classes: tuple,

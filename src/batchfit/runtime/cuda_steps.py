@@ -7,13 +7,16 @@ step, which the memory package's step runner does; ``cuda`` is a seam tests repl
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from ..workload import Workload
+
 
 def cuda_step_fits(
-    workload: Any, batch_size: int, policy: Any, classes: tuple[type, ...], cuda: Any = torch.cuda
+    workload: Workload, batch_size: int, policy: Any, classes: tuple[type, ...], cuda: Any = torch.cuda
 ) -> bool:
     """Run two real steps at ``batch_size`` on the GPU; False on OOM, leaving the process usable.
 

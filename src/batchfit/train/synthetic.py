@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from .synthetic_process import (
     peak_reader,
     save_atomically,
 )
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 DATA = "global batch t = item ids t*G .. t*G+G-1 of the preset's synthetic items"
 """How a run's data is made, as its summary says it."""
@@ -109,7 +112,7 @@ class TrainingRun:
 
 
 def train_synthetic(
-    workload: Any,
+    workload: Workload | str,
     global_batch_size: int,
     *,
     micro_batch_size: int | str = "auto",

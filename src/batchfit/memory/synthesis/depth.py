@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -56,6 +56,9 @@ from ..trace.tracer import MemoryTrace
 from .fulldepth import write_full_depth
 from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks, synthesis_enabled
 from .sweeps import Irregular
+
+if TYPE_CHECKING:
+    from ...workload import Workload
 
 __all__ = ["STATS", "DepthCut", "synthesis_enabled", "trace_deep"]
 
@@ -93,7 +96,7 @@ class DepthCut:
         self.root = ""
         self.plan: Any = None
 
-    def prepare(self, workload: Any, param_dtype: Any) -> None:
+    def prepare(self, workload: Workload, param_dtype: Any) -> None:
         """Know the model's stacks before it is built, where a build on ``meta`` shows them."""
         from .stackplan import plan_cut
 
@@ -107,7 +110,7 @@ class DepthCut:
         """Whether the model built in ``building()`` is as planned (else: build it again, whole)."""
         return self.plan is None or self.plan.built_as_planned(model)
 
-    def plan_failed(self, workload: Any, param_dtype: Any) -> None:
+    def plan_failed(self, workload: Workload, param_dtype: Any) -> None:
         """The build did not go as planned: build this workload's model whole, now and from now on."""
         from .stackplan import plan_failed
 

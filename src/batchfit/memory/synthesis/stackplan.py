@@ -19,13 +19,16 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .stacks import Stack, block_signatures, find_stacks
+
+if TYPE_CHECKING:
+    from ...workload import Workload
 
 __all__ = ["CutPlan", "plan_cut", "plan_failed"]
 
@@ -128,7 +131,7 @@ dtype or device) and return it."""
 _PLANS: dict[tuple[str, str], CutPlan | None] = {}
 
 
-def _key(workload: Any, param_dtype: torch.dtype | None) -> tuple[str, str] | None:
+def _key(workload: Workload, param_dtype: torch.dtype | None) -> tuple[str, str] | None:
     from ...cache import Uncacheable, workload_digest
 
     try:
@@ -137,14 +140,14 @@ def _key(workload: Any, param_dtype: torch.dtype | None) -> tuple[str, str] | No
         return None
 
 
-def plan_failed(workload: Any, param_dtype: torch.dtype | None) -> None:
+def plan_failed(workload: Workload, param_dtype: torch.dtype | None) -> None:
     """The fake build did not go as planned: build ``workload``'s model whole from now on."""
     key = _key(workload, param_dtype)
     if key is not None:
         _PLANS[key] = None
 
 
-def plan_cut(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
+def plan_cut(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | None:
     """The cut of ``workload``'s model, from a build on the ``meta`` device (None: no factory to build,
     or it cannot be built there); kept per workload for the process."""
     if isinstance(workload.model, nn.Module):
@@ -158,7 +161,7 @@ def plan_cut(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
     return plan
 
 
-def _plan(workload: Any, param_dtype: torch.dtype | None) -> CutPlan | None:
+def _plan(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | None:
     from ..steps import default_dtype
     from ..trace.construct import fake_construction
 

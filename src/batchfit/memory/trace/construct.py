@@ -33,7 +33,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -43,6 +43,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import BatchfitError, ConfigError
 from .values import DEFAULT_LIMIT, adopt, forget, real_of
+
+if TYPE_CHECKING:
+    from ...workload import Workload
 
 _ORIGINAL_APPLY = nn.Module._apply
 _ORIGINAL_TO = nn.Module.to
@@ -340,7 +343,7 @@ def _fake_copy(real: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     return copy.deepcopy(real, memo)
 
 
-def build_fake_model(workload: Any, param_dtype: torch.dtype | None) -> tuple[nn.Module, list[str]]:
+def build_fake_model(workload: Workload, param_dtype: torch.dtype | None) -> tuple[nn.Module, list[str]]:
     """The workload's model with fake parameters, and notes on what was done to trace it.
 
     Called with the fake mode (and ``ValueMode``) active.
@@ -419,7 +422,7 @@ def own_fakes(model: nn.Module) -> int:
     return len(made)
 
 
-def materialize_lazy(model: nn.Module, workload: Any, move: Any = None) -> bool:
+def materialize_lazy(model: nn.Module, workload: Workload, move: Any = None) -> bool:
     """Run one no-grad forward on a batch of one item if the model has lazy (uninitialised) parameters.
 
     A loop must do the same before it makes its optimizer (torch.nn.modules.lazy's note); ``move``
