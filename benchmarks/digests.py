@@ -120,7 +120,11 @@ def _trace_digest(trace: Any) -> str:
 
 def digest(make: Callable[[], Any], batch_size: int, kwargs: dict[str, Any]) -> tuple[str, str]:
     """The estimate's and its trace's digests (the trace is the one ``estimate`` finished)."""
-    from batchfit.memory import estimate as module
+    import importlib
+
+    import batchfit
+
+    module = importlib.import_module(batchfit.estimate.__module__)  # where the public estimate finishes its trace
 
     traces: list[Any] = []
     finish = module.finish_estimate

@@ -95,7 +95,7 @@ def _layers(workload: Any) -> int:
 def _worker(kind: str, name: str, global_batch_size: int, device: str, gpus: int) -> dict[str, Any]:
     start = time.perf_counter()
     import batchfit
-    from batchfit.cache import CACHE
+    from batchfit.memory.cache import CACHE
     from batchfit.memory.synthesis.depth import STATS
 
     workload = _workload(name)

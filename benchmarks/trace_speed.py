@@ -58,8 +58,8 @@ def _ours() -> dict[str, Any]:
     ``BATCHFIT_DEPTH_SYNTHESIS`` says)."""
     import batchfit
     from batchfit import presets
-    from batchfit.cache import no_cache
     from batchfit.gpu.catalog import get_device
+    from batchfit.memory.cache import no_cache
     from batchfit.memory.estimate import _trace_for_device, read_peak
     from batchfit.memory.synthesis import stackplan
     from batchfit.memory.synthesis.depth import STATS

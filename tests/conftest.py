@@ -47,7 +47,7 @@ def _fits_exact_against_the_allocator_model() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _fresh_trace_cache() -> None:
     """Each test starts with nothing cached in memory (the disk cache is per session, see above)."""
-    from batchfit.cache import CACHE
+    from batchfit.memory.cache import CACHE
 
     CACHE.clear_memory()
 

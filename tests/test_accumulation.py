@@ -12,8 +12,8 @@ from trace_compare import canonical
 
 import batchfit
 from batchfit import presets
-from batchfit.cache import CACHE
 from batchfit.gpu.catalog import get_device
+from batchfit.memory.cache import CACHE
 from batchfit.memory.categories import Category
 from batchfit.memory.estimate import (
     _as_workload,

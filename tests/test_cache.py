@@ -16,7 +16,7 @@ from torch import nn
 import batchfit
 import batchfit._version
 from batchfit import presets
-from batchfit.cache import CACHE, cache_dir
+from batchfit.memory.cache import CACHE, cache_dir
 from batchfit.models.gpt import token_batch
 
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)
@@ -105,11 +105,11 @@ def test_a_new_batchfit_version_never_reuses_a_trace(monkeypatch: pytest.MonkeyP
 
 def test_an_edit_anywhere_in_batchfit_never_reuses_a_trace() -> None:
     """The source digest covers every module (the tracer and the estimator, not only the cache's own)."""
-    from batchfit.cache.keys import own_files
+    from batchfit.memory.cache.keys import own_files
 
     root = Path(batchfit.__file__).resolve().parent
     names = {str(p.relative_to(root)) for p in own_files()}
-    assert {"memory/trace/tracer.py", "memory/estimate.py", "cache/keys.py", "workload.py"} <= names
+    assert {"memory/trace/tracer.py", "memory/estimate.py", "memory/cache/keys.py", "workload.py"} <= names
     assert names == {str(p.relative_to(root)) for p in root.rglob("*.py")}
 
 
@@ -177,7 +177,7 @@ def test_a_changed_module_level_value_the_factory_reads_is_a_new_trace() -> None
         WIDTH = 4096
         assert _misses(lambda: _estimate(wl)) == 1
         wide = _estimate(wl)
-        with batchfit.cache.no_cache():
+        with batchfit.memory.cache.no_cache():
             assert wide == _estimate(wl)
         assert wide.breakdown["parameters"] > narrow.breakdown["parameters"]
         WIDTH = saved
@@ -218,7 +218,7 @@ def test_the_source_digest_covers_the_whole_package(monkeypatch: pytest.MonkeyPa
     """A changed estimator (any module of the package, not only the cache's) is a new key."""
     from pathlib import Path
 
-    from batchfit.cache.keys import _own_source
+    from batchfit.memory.cache.keys import _own_source
 
     before = _own_source.__wrapped__()
     read = Path.read_bytes

@@ -20,7 +20,7 @@ from zoo import BY_NAME, deeper
 import batchfit
 from batchfit import presets
 from batchfit.gpu.catalog import get_device
-from batchfit.memory.estimate import _as_workload, _trace_for_device, finish_estimate, with_accumulation
+from batchfit.memory.estimate import _trace_for_device, finish_estimate, with_accumulation
 from batchfit.memory.measure import measure_cpu_peak
 from batchfit.memory.synthesis.accumulation import accumulating_trace
 from batchfit.memory.synthesis.depth import STATS
@@ -29,6 +29,7 @@ from batchfit.memory.synthesis.stacks import find_stacks
 from batchfit.memory.trace.fake_step import fake_model
 from batchfit.models import hf
 from batchfit.precision import policy_for
+from batchfit.sources import as_workload as _as_workload
 
 A100 = get_device("A100-80GB")
 V100 = get_device("V100-16GB")
@@ -386,7 +387,7 @@ def test_the_blocks_a_cut_drops_are_not_built_unless_the_constructor_reads_them(
 
 
 def test_off_traces_every_block_and_the_cache_keeps_the_two_apart() -> None:
-    from batchfit.cache import trace_key
+    from batchfit.memory.cache import trace_key
 
     policy = policy_for("fp32", bf16_supported=True, device_name=A100.name)
     keys = {}

@@ -22,7 +22,7 @@ def test_the_installed_torch_gets_the_fast_key_even_when_first_asked_inside_a_tr
     # On a torch whose metadata or encoding differs the fast path turns itself off; on this one it is on,
     # also when the check first runs inside a traced step (with batchfit's modes set).
     import batchfit
-    from batchfit.cache import no_cache
+    from batchfit.memory.cache import no_cache
 
     monkeypatch.setattr(fastkey, "_MATCHES", None)
     with no_cache():

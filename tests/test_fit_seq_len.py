@@ -127,7 +127,7 @@ def test_without_verification_the_curve_is_trusted_and_agrees_where_memory_is_a_
 
 
 def test_how_a_workload_is_rebuilt_is_no_part_of_its_trace_key_but_is_of_its_answer() -> None:
-    from batchfit.cache import workload_digest
+    from batchfit.memory.cache import workload_digest
 
     base = _token_workload(100, limit=1 << 16)
     branching = dataclasses.replace(base, at_seq_len=partial(_token_workload, branch=20_000, limit=1 << 16))

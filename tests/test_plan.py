@@ -343,7 +343,7 @@ def test_the_units_fsdp_runs_are_the_units_the_estimate_assumes(name: str, shape
 
 
 def test_progress_announces_every_step_a_cold_plan_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchfit.cache import CACHE
+    from batchfit.memory.cache import CACHE
 
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))  # cold: nothing traced before
     wl = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)

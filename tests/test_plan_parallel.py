@@ -13,8 +13,8 @@ import pytest
 
 import batchfit
 from batchfit import presets
-from batchfit.cache import CACHE
 from batchfit.errors import ConfigError
+from batchfit.memory.cache import CACHE
 from batchfit.planning import workers
 
 WL = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)

@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "TrainingRun": ".train.synthetic",
     "UnknownNameError": ".errors",
     "Workload": ".workload",
-    "estimate": ".memory.estimate",
+    "estimate": ".planning.estimate",
     "fit": ".planning.fit",
     "get_device": ".gpu.catalog",
     "plan": ".planning.plan",
@@ -103,7 +103,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .errors import BatchfitError, CheckpointError, ConfigError, DoesNotFitError, TraceError, UnknownNameError
     from .gpu import catalog as devices
     from .gpu.catalog import Device, get_device
-    from .memory.estimate import Estimate, estimate
+    from .memory.estimate import Estimate
+    from .planning.estimate import estimate
     from .planning.fit import FitResult, fit
     from .planning.plan import Plan, plan
     from .planning.sweep import SweepResult, sweep

@@ -117,7 +117,7 @@ def estimate(
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
     from ..memory.estimate import check_batch_size
-    from ..memory.estimate import estimate as run_estimate
+    from ..planning.estimate import estimate as run_estimate
 
     check_batch_size(batch_size, "--batch-size")
     check_batch_size(accumulation_steps, "--accumulation-steps")
@@ -379,7 +379,7 @@ app.command()(calibrate)
 @app.command()
 def demo() -> None:
     """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
-    from ..memory.estimate import estimate as run_estimate
+    from ..planning.estimate import estimate as run_estimate
     from ..planning.plan import plan
     from ..report.tables import estimate_table, plan_table
     from ..sources.presets import get

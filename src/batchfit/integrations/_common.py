@@ -174,7 +174,7 @@ def _first_fitting(
 def one_item_estimate(workload: Workload, dev: Device, precision: str, checkpointing: bool) -> Any:
     """The estimate of a step of one item: the cheapest test of whether a configuration can fit at all
     (one trace, where a plan that cannot fit searches the catalog for where it would)."""
-    from ..memory.estimate import estimate
+    from ..planning.estimate import estimate
 
     return estimate(workload, 1, device=dev, precision=precision, checkpointing="blocks" if checkpointing else None)
 
@@ -186,7 +186,7 @@ def _equalised(workload: Workload, found: Any, share: int, dev: Device) -> Any:
     splits = [[micro] * steps for _ in range(found.gpus)]
     if found.splits == splits:
         return found
-    from ..memory.estimate import estimate
+    from ..planning.estimate import estimate
 
     est = estimate(
         workload,

@@ -85,6 +85,14 @@ class TrainerOptimizer:
         self.name = name
         """The ``args.optim`` it stands for (the analytic estimate reads its states' closed form by it)."""
 
+    @property
+    def states(self) -> Any:
+        """The closed form of ``args.optim``'s states per tensor (None for a name batchfit does not know: the
+        analytic estimate then assumes AdamW's)."""
+        from ..sources.optim import known_states
+
+        return known_states(self.name)
+
     def __call__(self, params: Any) -> torch.optim.Optimizer:
         params = list(params)
         decay = self.decay if len(self.decay) == len(params) else [True] * len(params)

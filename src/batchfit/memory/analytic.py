@@ -6,12 +6,12 @@ with ``W`` the bytes of the weights and buffers, ``n`` the values of each traina
 bytes of a gradient value and ``states(n)`` the bytes the optimizer keeps for a tensor of ``n``
 values: two moments in the parameter's dtype for Adam/AdamW, one for SGD with momentum, a row and a
 column for Adafactor's matrices, about 2.03 B a value for 8-bit AdamW (``batchfit.sources.optim``,
-NOTE [ Optimizer states per tensor, by name ]). Frozen parameters (LoRA's base) have neither gradients
-nor states. For transformer-shaped workloads the activations follow Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", section 4.1: per layer
-``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit training (no sequence or tensor parallelism), which we scale
-by 2 for fp32 activations; with full activation checkpointing only the ``2*s*b*h`` bytes of each
-layer's input remain.
+NOTE [ Optimizer states per tensor, by name ]; a named optimizer carries its closed form as ``states``).
+Frozen parameters (LoRA's base) have neither gradients nor states. For transformer-shaped workloads the
+activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4.1: per layer ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit training (no sequence or tensor
+parallelism), which we scale by 2 for fp32 activations; with full activation checkpointing only the
+``2*s*b*h`` bytes of each layer's input remain.
 
 It is wrong in both directions, which is why batchfit traces: it ignores the logits and loss buffers
 (large for big vocabularies), optimizer temporaries, autocast weight copies and the fact that the peak
@@ -20,6 +20,7 @@ moves between the start of backward and the optimizer step with batch size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..precision import PrecisionPolicy
@@ -58,13 +59,18 @@ def trainable_tensors(trace: MemoryTrace) -> list[tuple[int, int | None]]:
     ]
 
 
-def optimizer_name(workload: Workload) -> str:
-    """The optimizer's name: a named factory's (``sources.optim``, the HF adapter's ``args.optim``), else
-    a preset's knob, else ``adamw`` (what the equation assumes of an optimizer it cannot name)."""
+def _adamw_moments(n: int, rows: int | None, elem: int) -> int:
+    """AdamW's two moments in the parameter's dtype: what the equation assumes of an optimizer it cannot name."""
+    return 2 * n * elem
+
+
+def optimizer_states(workload: Workload) -> tuple[str, Callable[[int, int | None, int], int]]:
+    """The optimizer's name and the closed form of its states per tensor, from the optimizer itself: a named
+    one (``sources.optim``'s factories, the HF adapter's ``args.optim``) says both; any other is AdamW."""
     name = getattr(workload.optimizer, "name", None)
-    if not isinstance(name, str) or not name:
-        name = str(workload.config.get("optimizer", "adamw"))
-    return name.lower()
+    states = getattr(workload.optimizer, "states", None)
+    named = name.lower() if isinstance(name, str) and name else "adamw"
+    return named, states if callable(states) else _adamw_moments
 
 
 def analytic_estimate(
@@ -75,14 +81,9 @@ def analytic_estimate(
     Parameter bytes are counted from the trace's parameter storages and the trainable tensors' sizes
     from its first step's gradients (the only things taken from it); the rest is arithmetic.
     """
-    from ..sources.optim import known_states
-
     param_bytes = sum(n for sid, n in trace.nbytes.items() if trace.role.get(sid) is Category.PARAMETERS)
     elem = 2 if policy.param_dtype is not None and policy.param_dtype.itemsize == 2 else 4  # weights built in bf16
-    optimizer = optimizer_name(workload)
-    states = known_states(optimizer)
-    if states is None:  # an optimizer the equation does not know: AdamW's two moments
-        states = known_states("adamw")
+    optimizer, states = optimizer_states(workload)
     tensors = trainable_tensors(trace)
     n_trainable = sum(nbytes // elem for nbytes, _ in tensors)
     state_bytes = sum(states(nbytes // elem, rows, elem) for nbytes, rows in tensors)  # type: ignore[misc]

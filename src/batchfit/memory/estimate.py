@@ -1,4 +1,5 @@
-"""Estimate: the memory of one training step on a named device, read off its trace.
+"""Estimate: the memory of one training step on a named device, read off its trace (the public
+``batchfit.estimate``, which also resolves a preset name, is ``planning/estimate.py``).
 
 Limitations:
     - CUDA numbers assume one process per GPU, one stream, and the default allocator settings
@@ -240,77 +241,17 @@ def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
     return batch_size
 
 
-def estimate(
-    workload: Workload | str,
-    batch_size: int,
-    *,
-    device: str | Device = "cpu",
-    precision: str = "fp32",
-    checkpointing: Any = None,
-    expandable_segments: bool = False,
-    accumulation_steps: int | None = None,
-    parallel: Any = None,
-) -> Estimate:
-    """Estimate the memory of one training step of ``workload`` at ``batch_size`` on ``device``.
-
-    The step (forward, loss, backward, optimizer step, zero_grad) runs twice on fake tensors; the
-    trace of every storage gives the peak, its breakdown and, through the caching-allocator model,
-    reserved memory and what nvidia-smi would show. No GPU is needed, and a 7B model costs no memory.
-
-    Args:
-        workload: a ``Workload``, or a preset name / ``"module:function"`` spec.
-        batch_size: items in the step's batch.
-        device: a catalog GPU (``"A100-40GB"``), a capacity (``"24GiB"``), ``"cpu"`` or a ``Device``.
-            On ``"cpu"`` the peak is the exact number of bytes the CPU allocator holds.
-        precision: ``fp32``, ``bf16``, ``fp16`` (autocast), ``bf16-true`` or ``bf16-true-autocast``.
-        checkpointing: None, ``"blocks"`` (the workload's blocks) or a list of module classes.
-        expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
-        accumulation_steps: micro-batches of ``batch_size`` per optimizer step (None: the workload's,
-            1 by default). Above 1 the gradients of earlier micro-batches are alive through the
-            later ones' forward and backward, which can move the peak.
-        parallel: a ``ParallelLayout`` (tensor / sequence parallelism, FSDP2): the estimate is then one
-            rank's, its step traced as rank 0 of a fake process group (``memory/trace/model_parallel.py``); None:
-            the workload's own (``Workload.parallel``).
-
-    Returns:
-        An ``Estimate``.
-
-    Raises:
-        ConfigError: a bad batch size, device, precision, checkpointing or loss.
-
-    Example:
-        >>> import batchfit
-        >>> est = batchfit.estimate(batchfit.presets.get("mlp"), 32, device="cpu")
-        >>> sum(est.breakdown.values()) == est.peak_allocated_bytes
-        True
-
-    Limitations:
-        See the module docstring: the context, cuDNN workspaces, other processes, compiled regions.
-    """
-    from ..activation_checkpointing import checkpoint_classes
-    from ..gpu.catalog import get_device
-    from ..precision import policy_for
-
-    workload = with_layout(with_accumulation(_as_workload(workload), accumulation_steps), parallel)
-    batch_size = check_batch_size(batch_size)
-    dev = get_device(device)
-    policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
-    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-    trace = trace_for_device(workload, batch_size, dev, policy, classes)
-    return finish_estimate(trace, workload, batch_size, dev, policy, classes, expandable_segments)
-
-
 @full_collections_deferred
 def trace_for_device(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
     announce: Callable[[], None] | None = None,
 ) -> MemoryTrace:  # fmt: skip
     """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind, from the
-    trace cache when the same step was traced before (``batchfit/cache.py``); ``announce`` is called
+    trace cache when the same step was traced before (``memory/cache/``); ``announce`` is called
     just before a step is traced (not when the cache has it: a progress display names real work)."""
     import dataclasses
 
-    from ..cache import CACHE
+    from .cache import CACHE
 
     if workload.accumulation_steps > 1 and not device.exact:  # the plain step's, a second micro-batch written in
         from .synthesis.accumulation import accumulating_trace
@@ -336,7 +277,7 @@ def cached_trace(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace | None:
     """The trace the cache holds of this step, or None: never traces (a guess may use what is known)."""
-    from ..cache import CACHE
+    from .cache import CACHE
 
     key = _cache_key(workload, batch_size, device, policy, classes)
     return None if key is None else CACHE.get(key, [], count=False)
@@ -346,7 +287,7 @@ def _cache_key(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> str | None:
     """The trace cache's key of this step (None: the workload cannot be described, so is not cached)."""
-    from ..cache import Uncacheable, trace_key
+    from .cache import Uncacheable, trace_key
 
     try:
         return trace_key(workload, batch_size, device, policy, classes)
@@ -438,17 +379,3 @@ def with_layout(workload: Workload, layout: Any) -> Workload:
     check_batch_size(layout.tensor_parallel, "tensor_parallel")
     check_batch_size(layout.fsdp, "fsdp")
     return dataclasses.replace(workload, parallel=layout if layout.world_size > 1 else None)
-
-
-def _as_workload(workload: Any) -> Workload:
-    from ..workload import Workload
-
-    if isinstance(workload, Workload):
-        return workload
-    if isinstance(workload, str):
-        from ..sources import load
-
-        return load(workload)
-    from ..errors import ConfigError
-
-    raise ConfigError(f"expected a Workload or a preset name, got {type(workload).__name__}")

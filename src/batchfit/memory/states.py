@@ -47,7 +47,7 @@ class StateBytes:
 
 def state_bytes(workload: Workload, param_dtype: torch.dtype | None) -> StateBytes:
     """The parameters, gradients and optimizer states of ``workload`` in ``param_dtype`` (cached)."""
-    from ..cache import CACHE
+    from .cache import CACHE
 
     return CACHE.fact("state bytes", workload, param_dtype, lambda: _state_bytes(workload, param_dtype))
 

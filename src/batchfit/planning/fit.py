@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device
-from ..memory.estimate import _as_workload, with_accumulation
+from ..memory.estimate import with_accumulation
 from ..precision import policy_for
 from ..runtime.simulated import SimulatedDevice
+from ..sources import as_workload as _as_workload
 from .budget import device_budget, fit_setting, is_modelled, real_step
 from .known_error import keep_known_errors, table_key
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
@@ -109,7 +110,7 @@ def fit(
     if not is_modelled(device):
         return run()
     # A modelled device: the answer is a function of the workload and these settings alone.
-    from ..cache import CACHE
+    from ..memory.cache import CACHE
 
     dev = device_budget(device, margin)[0]  # type: ignore[arg-type]
     blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def _warnings(wl: Workload, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
     from ..advice.batchnorm import advice_for_layers, layer_facts
-    from ..cache import CACHE
+    from ..memory.cache import CACHE
     from ..memory.trace.fake_step import fake_model
 
     layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))

@@ -94,7 +94,7 @@ def _fit_config(
     Kept with the traces (the fit, and the whole-share estimate beside it), so that a repeated plan
     traces nothing and replays no allocator.
     """
-    from ..cache import CACHE
+    from ..memory.cache import CACHE
     from ..precision import policy_for
 
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
@@ -249,7 +249,7 @@ def fit_estimate_at(
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
     that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
     from ..activation_checkpointing import checkpoint_classes
-    from ..cache import CACHE
+    from ..memory.cache import CACHE
     from ..memory.estimate import finish_estimate, trace_for_device
     from ..memory.synthesis.sharding import shard_trace
     from ..precision import policy_for

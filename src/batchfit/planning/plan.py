@@ -23,7 +23,8 @@ from typing import Any
 from ..batching import rank_shares
 from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
-from ..memory.estimate import Estimate, _as_workload
+from ..memory.estimate import Estimate
+from ..sources import as_workload as _as_workload
 from ..workload import Workload
 from .ladder import _Config, _ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
@@ -382,7 +383,7 @@ def _tensor_parallel_degrees(
         ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid
             ones), or sequence parallelism asked of a plan outside numbered blocks.
     """
-    from ..cache import CACHE
+    from ..memory.cache import CACHE
     from ..memory.trace.fake_step import fake_model
     from ..memory.trace.tp_plan import degree_error, split_facts
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..memory.estimate import _as_workload, check_batch_size
+from ..memory.estimate import check_batch_size
 from ..memory.steps import loss_for_backward
+from ..sources import as_workload as _as_workload
 from ..workload import trainable_parameters
 
 if TYPE_CHECKING:

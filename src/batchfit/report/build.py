@@ -108,16 +108,11 @@ def build_report(
     """
     from ..activation_checkpointing import checkpoint_classes
     from ..gpu.catalog import get_device
-    from ..memory.estimate import (
-        _as_workload,
-        check_batch_size,
-        finish_estimate,
-        trace_for_device,
-        with_accumulation,
-    )
+    from ..memory.estimate import check_batch_size, finish_estimate, trace_for_device, with_accumulation
     from ..memory.synthesis.sharding import shard_trace
     from ..planning.plan import plan as make_plan
     from ..precision import policy_for
+    from ..sources import as_workload as _as_workload
 
     say = progress or (lambda _msg: None)
     _require_matplotlib()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # torch is imported when a workload is loaded, not by ``batch
     from .lora import LoraSpec, parse_lora
     from .optim import optimizer_factory
 
-__all__ = ["LoraSpec", "load", "optimizer_factory", "parse_lora"]
+__all__ = ["LoraSpec", "as_workload", "load", "optimizer_factory", "parse_lora"]
 _LAZY = {"LoraSpec": ".lora", "parse_lora": ".lora", "optimizer_factory": ".optim"}
 
 
@@ -123,6 +123,21 @@ def with_lora(workload: Workload, lora: LoraSpec | str) -> Workload:
 def _with_lora_at(rebuild: Any, spec: LoraSpec, seq_len: int) -> Workload:
     """The adapted workload at ``seq_len``: the base rebuilt there, then adapted alike."""
     return with_lora(rebuild(seq_len), spec)
+
+
+def as_workload(workload: Any) -> Workload:
+    """``workload`` itself, or the workload a string names (``load``): what the public functions accept.
+
+    Raises:
+        ConfigError: neither a ``Workload`` nor a string (or a string ``load`` refuses).
+    """
+    from ..workload import Workload
+
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, str):
+        return load(workload)
+    raise ConfigError(f"expected a Workload or a preset name, got {type(workload).__name__}")
 
 
 def load(

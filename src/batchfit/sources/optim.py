@@ -176,6 +176,11 @@ class NamedOptimizer:
     lr: float
     """The learning rate every parameter group starts with."""
 
+    @property
+    def states(self) -> StateBytes:
+        """The closed form of its states per tensor (read by the analytic estimate, ``memory/analytic.py``)."""
+        return spec(self.name).states
+
     def __call__(self, params: Iterable[Any]) -> Any:
         target = spec(self.name)
         cls = optimizer_class(self.name)

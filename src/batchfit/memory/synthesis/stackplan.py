@@ -132,7 +132,7 @@ _PLANS: dict[tuple[str, str], CutPlan | None] = {}
 
 
 def _key(workload: Workload, param_dtype: torch.dtype | None) -> tuple[str, str] | None:
-    from ...cache import Uncacheable, workload_digest
+    from ..cache import Uncacheable, workload_digest
 
     try:
         return workload_digest(workload, param_dtype), str(param_dtype)

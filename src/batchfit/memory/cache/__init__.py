@@ -4,7 +4,7 @@ Entries live in memory for the process and on disk (``BATCHFIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/batchfit`` or ``~/.cache/batchfit``; ``BATCHFIT_CACHE=0`` turns the disk off), so a
 second identical command reuses the first one's traces. A file that cannot be read is ignored, with
 a note in the estimate, and replaced. What goes into a key, and so when an entry is stale, is
-``cache/keys.py`` (NOTE [ What a trace depends on ]); its public names are re-exported here.
+``memory/cache/keys.py`` (NOTE [ What a trace depends on ]); its public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .keys import Uncacheable, _describe, _digest, _settings, describe_model, installed, trace_key, workload_digest
 
 if TYPE_CHECKING:
-    from ..workload import Workload
+    from ...workload import Workload
 
 __all__ = [
     "CACHE",
@@ -137,7 +137,7 @@ class TraceCache:
     ) -> Any:
         """``fact`` for a result on a modelled device (a fit, an estimate): the device and the cuDNN
         settings its kernel model reads are part of the key, beside ``extra``."""
-        from ..memory.kernels.cudnn import CudnnFlags
+        from ..kernels.cudnn import CudnnFlags
 
         return self.fact(kind, workload, param_dtype, compute, extra=(device, CudnnFlags.current(), *extra))
 

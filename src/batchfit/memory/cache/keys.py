@@ -7,7 +7,7 @@ code, the code of the classes and helpers it calls, and its arguments: a preset'
 config), without building it; a model given as an instance, or a factory closing over something
 indescribable, is built on the meta device (on fake tensors if meta refuses) and described by its
 structure. A factory whose model depends on what it reads from files is keyed by its code only: set
-``BATCHFIT_CACHE=0`` if such a file changes between runs. Storing what the keys name is ``cache.py``.
+``BATCHFIT_CACHE=0`` if such a file changes between runs. Storing what the keys name is ``memory/cache/__init__.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..workload import Workload
+    from ...workload import Workload
 
 # NOTE [ What a trace depends on ]
 # A trace is a function of: the model (its modules' classes and the code of their methods, every
@@ -300,18 +300,21 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()
 
 
+_PACKAGE = Path(__file__).resolve().parents[2]
+"""``src/batchfit``: this file is ``memory/cache/keys.py`` inside it."""
+
+
 def own_files() -> list[Path]:
-    """Every source file of the batchfit package (the package's root, not only ``cache/``)."""
-    return sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
+    """Every source file of the batchfit package (the whole package, not only ``memory/cache/``)."""
+    return sorted(_PACKAGE.rglob("*.py"))
 
 
 @functools.cache
 def _own_source() -> str:
     """A digest of batchfit's own source files: a changed estimator never reuses an old trace."""
-    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for path in own_files():
-        h.update(str(path.relative_to(root)).encode())
+        h.update(str(path.relative_to(_PACKAGE)).encode())
         with contextlib.suppress(OSError):
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -320,7 +323,7 @@ def _own_source() -> str:
 def _settings() -> tuple[str, ...]:
     """How traces are made in this process (the key's part that can change while it runs: depth synthesis
     on or off), and the trace format."""
-    from ..memory.synthesis.stacks import synthesis_enabled
+    from ..synthesis.stacks import synthesis_enabled
 
     return (f"format {_FORMAT}", f"depth synthesis {'on' if synthesis_enabled() else 'off'}")
 
@@ -331,7 +334,7 @@ def installed() -> tuple[str, ...]:
     in memory does not read them."""
     import torch
 
-    from .._version import __version__
+    from ..._version import __version__
 
     versions = [__version__, _own_source(), torch.__version__, platform.python_version()]
     versions += [f"{name} {_installed_version(name)}" for name in ("transformers", "peft", "bitsandbytes", "torchao")]
@@ -358,15 +361,15 @@ def _structure(workload: Workload, param_dtype: Any) -> Any:
 
     if isinstance(workload.model, nn.Module):
         return workload.model
-    from ..memory.steps import default_dtype
-    from ..memory.trace.construct import fake_construction
+    from ..steps import default_dtype
+    from ..trace.construct import fake_construction
 
     try:
         with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return workload.build_model()
     except Exception:  # noqa: BLE001 - a constructor that reads values: build it as the trace does
-        from ..memory.trace.fake_step import fake_model
+        from ..trace.fake_step import fake_model
 
         return fake_model(workload, param_dtype)
 
@@ -425,7 +428,7 @@ def trace_key(workload: Workload, batch_size: int, device: Any, policy: Any, cla
         kernel = ("cpu", platform.machine(), platform.processor(), torch.get_num_threads(),
                   torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "")  # fmt: skip
     else:
-        from ..memory.kernels.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
+        from ..kernels.cudnn import CudnnFlags  # cuDNN engines (and their workspaces) follow these flags
 
         kernel = ("cuda", device.cublas_workspace_bytes, device.cublas_handles, device.compute_capability,
                   _describe(device.conv_workspace), _describe(device.conv_workspace_benchmark),
