@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from ..gpu.profiles import save
+from ..report.tables import profile_table
 from . import options as opts
 from .options import JsonOpt
 
@@ -31,7 +33,6 @@ def calibrate(
     Needs a CUDA GPU and NVML (nvidia-ml-py). Copy the profile to machines with the same GPU, driver,
     CUDA and torch (or pass it with --profile) to use it there.
     """
-    from ..gpu.profiles import save
     from ..runtime import calibrate as measuring
 
     gpu = measuring.TorchGpu()
@@ -45,6 +46,5 @@ def calibrate(
     if as_json:
         opts.emit_json({"path": str(path), "profile": profile.to_json()})
         return
-    from ..report.tables import profile_table
 
     opts.console().print(profile_table(profile, str(path)))

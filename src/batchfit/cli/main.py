@@ -12,7 +12,12 @@ from typing import Annotated, Any
 
 import typer
 
+from .._version import __version__
 from ..errors import BatchfitError, ConfigError
+from ..gpu.catalog import catalog
+from ..report.plots import plot_sweep
+from ..report.tables import devices_table, estimate_table, fit_table, plan_table, sweep_table
+from ..sources.presets import describe, get
 from . import options as opts
 from .calibrate import calibrate
 from .options import (
@@ -47,7 +52,8 @@ from .options import (
     TaskOpt,
     TensorParallelOpt,
 )
-from .report import report
+from .quiet import take_verbose, third_party_output
+from .report import demo_report, report
 from .train import train
 
 # typer raises its click's exceptions (vendored from typer 0.29 on); find the classes through it.
@@ -65,8 +71,6 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from .._version import __version__
-
         typer.echo(f"batchfit {__version__}")
         raise typer.Exit()
 
@@ -136,7 +140,6 @@ def estimate(
     if as_json:
         opts.emit_json(est.to_dict())
         return
-    from ..report.tables import estimate_table
 
     opts.console().print(estimate_table(est))
 
@@ -146,13 +149,10 @@ def gpus(as_json: JsonOpt = False) -> None:
     """List the GPU catalog."""
     from dataclasses import asdict
 
-    from ..gpu.catalog import catalog
-
     devices = catalog()
     if as_json:
         opts.emit_json({"devices": [asdict(d) for d in devices]})
         return
-    from ..report.tables import devices_table
 
     opts.console().print(devices_table(devices))
 
@@ -160,8 +160,6 @@ def gpus(as_json: JsonOpt = False) -> None:
 @app.command()
 def presets(as_json: JsonOpt = False) -> None:
     """List the built-in workloads."""
-    from ..sources.presets import describe
-
     rows = describe()
     if as_json:
         opts.emit_json({"presets": [{"name": n, "description": d} for n, d in rows]})
@@ -224,7 +222,6 @@ def fit_command(
     if as_json:
         opts.emit_json(result.to_dict())
         return
-    from ..report.tables import fit_table
 
     opts.console().print(fit_table(result))
 
@@ -300,7 +297,6 @@ def plan_command(
     if as_json:
         opts.emit_json(result.to_dict())
         return
-    from ..report.tables import plan_table
 
     opts.console().print(plan_table(result))
 
@@ -357,13 +353,10 @@ def sweep_command(
             result = sweep(wl, device=device, batch_sizes=sizes, steps=steps, progress=progress)
     out = {}
     if plot:
-        from ..report.plots import plot_sweep
-
         out["plot"] = str(plot_sweep(result, plot))
     if as_json:
         opts.emit_json({**result.to_dict(), **out})
         return
-    from ..report.tables import sweep_table
 
     console = opts.console()
     console.print(sweep_table(result))
@@ -381,8 +374,6 @@ def demo() -> None:
     """A tour on a built-in default: estimate, plan and train a GPT without a GPU."""
     from ..planning.estimate import estimate as run_estimate
     from ..planning.plan import plan
-    from ..report.tables import estimate_table, plan_table
-    from ..sources.presets import get
 
     console = opts.console()
     wl = get("gpt", seq_len=1024)
@@ -394,7 +385,6 @@ def demo() -> None:
     console.rule("[bold]3. train: a global batch of 8192 planned on a simulated 48 MiB GPU (runs on the CPU)")
     console.print("batchfit train mlp --global-batch-size 8192 --set hidden=512 --device simulated:48MiB --steps 3")
     train("mlp", global_batch_size=8192, set_=["hidden=512"], device="simulated:48MiB", steps=3)
-    from .report import demo_report
 
     console.rule("[bold]4. report: memory by batch size and over one step, as one HTML file")
     demo_report(console)
@@ -405,8 +395,6 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns the exit code (the console script passes it to ``sys.exit``).
     """
-    from .quiet import take_verbose, third_party_output
-
     args, verbose = take_verbose(list(sys.argv[1:] if argv is None else argv))
     try:
         with third_party_output(verbose):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ..errors import ConfigError
+from ..gpu.context import resolve_device
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -199,8 +200,6 @@ def device(
 
     What was detected (a stored profile used, eager loading assumed) goes to stderr, one line each.
     """
-    from ..gpu.context import resolve_device
-
     resolved = resolve_device(
         name,
         context_mib=context_mib,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..sources.presets import get
 from .options import BaseBatchSizeOpt, BaseLrOpt, LrRule, LrRuleOpt
 
 if TYPE_CHECKING:
@@ -139,7 +140,6 @@ def demo_report(console: Any, path: str | Path = "batchfit-report.html") -> Path
     Prints the report's path on ``console`` and returns it.
     """
     from ..report.html import build_report, write_report
-    from ..sources.presets import get
 
     with console.status("writing the report") as status:
         built = build_report(

@@ -27,6 +27,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ConfigError
+from ..sources import load
 from .train_args import DType, _micro, _overrides, _positive
 from .train_output import _log_to, _print_table, _progress
 
@@ -83,7 +84,6 @@ def train(
     """Train a preset on deterministic synthetic data: global batch = micro-batch x accumulation, exactly."""
     import torch
 
-    from ..sources import load
     from ..train.synthetic import check_save_path, train_synthetic
 
     _positive(global_batch_size, "--global-batch-size")

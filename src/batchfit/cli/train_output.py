@@ -12,6 +12,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from ..units import format_bytes
+
 
 def _split_text(sizes: tuple[int, ...]) -> str:
     """``16 x 4`` for even micro-batches, ``4+3+3`` for short uneven ones."""
@@ -43,8 +45,6 @@ class _Progress:
 
     def advance(self, row: dict[str, Any]) -> None:
         """One more step done; ``row`` is the step's row of the run's summary."""
-        from ..units import format_bytes
-
         split = _split_text(tuple(row["micro_batch_sizes"]))
         memory = "" if row["peak_reserved_bytes"] is None else f"  peak {format_bytes(row['peak_reserved_bytes'])}"
         status = f"loss {row['loss']:.4f}  micro x accum {split}  {row['items_per_s']:,.0f} items/s{memory}"
@@ -75,8 +75,6 @@ def _log_to(stack: contextlib.ExitStack, console: Any) -> None:
 def _print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from ..units import format_bytes
 
     rows = summary["steps"]
     first = rows[0]

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import ConfigError, ProfileError, UnknownNameError
 from ..units import format_bytes
+from . import profiles
 from .catalog import LAZY_LOADING_MIN_CUDA, Device, get_device
 
 LOADING_MODES = ("lazy", "eager")
@@ -92,8 +93,6 @@ def resolve_device(
         ConfigError: an unknown device or loading mode, a context that leaves nothing.
         ProfileError: the profile cannot be read, is for another GPU, or contradicts ``cuda_loading``.
     """
-    from . import profiles
-
     if cuda_loading is not None and cuda_loading not in LOADING_MODES:
         raise ConfigError(f"--cuda-loading takes lazy or eager, got {cuda_loading!r}")
     notes: list[str] = []
@@ -148,8 +147,6 @@ def _stored_profile(
     device: Device, mode: str, environ: Mapping[str, str] | None, local: Callable[[], Any], notes: list[str]
 ) -> tuple[Any, Any] | None:
     """The stored profile of this machine's GPU, when ``device`` is that GPU and the loading mode agrees."""
-    from . import profiles
-
     identity = local()
     if identity is None:
         return None

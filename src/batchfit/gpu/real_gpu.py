@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from .catalog import Device, catalog, generic_device
+from .profiles import GpuIdentity
 
 
 def cuda_device(cuda: Any = torch.cuda) -> Device:
@@ -33,8 +34,6 @@ def gpu_identity(cuda: Any = torch.cuda, nvml: Any = None) -> Any:
 
     ``cuda`` and ``nvml`` (the ``pynvml`` module) are seams that tests replace with fakes.
     """
-    from .profiles import GpuIdentity
-
     if not cuda.is_available():
         return None
     props = cuda.get_device_properties(cuda.current_device())

@@ -19,7 +19,12 @@ import torch
 
 from ..batching import Batch, batch_size_of, map_tensors
 from ..errors import ConfigError, DoesNotFitError, MissingExtraError
-from ..gpu.catalog import Device
+from ..gpu.catalog import Device, get_device
+from ..gpu.real_gpu import cuda_device
+from ..memory.trace.fake_step import real_execution
+from ..planning.estimate import estimate
+from ..planning.plan import plan
+from ..runtime.simulated import SimulatedDevice
 from ..units import format_bytes
 
 if TYPE_CHECKING:
@@ -76,14 +81,9 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 def plan_device(device: Any) -> Device:
     """The ``Device`` a plan is made for: a catalog name or capacity, a ``Device``, a ``SimulatedDevice``
     (its allocator capacity), or ``"cuda"`` (the visible GPU, read from torch; nothing runs on it)."""
-    from ..gpu.catalog import get_device
-    from ..runtime.simulated import SimulatedDevice
-
     if isinstance(device, SimulatedDevice):
         return device.device
     if isinstance(device, str) and device.strip().lower() == "cuda":
-        from ..gpu.real_gpu import cuda_device
-
         return cuda_device()
     return get_device(device)
 
@@ -112,8 +112,6 @@ def equal_plan(
         ConfigError: see ``per_rank_share``; a bad device or precision.
         DoesNotFitError: no rung fits one item per process; the message says what one item needs.
     """
-    from ..memory.trace.fake_step import real_execution
-
     share = per_rank_share(global_batch_size, world_size, framework)
     # Planning takes no device memory: outside any dispatch mode the caller has active (a SimulatedDevice
     # entered around the framework's training would otherwise count the trace's fake tensors as its own).
@@ -133,8 +131,6 @@ def _first_fitting(
     margin: float,
     plan_kwargs: dict[str, Any],
 ) -> Any:
-    from ..planning.plan import plan
-
     dev = plan_device(device)
     why = ""
     for precision, checkpointing in rungs:
@@ -174,8 +170,6 @@ def _first_fitting(
 def one_item_estimate(workload: Workload, dev: Device, precision: str, checkpointing: bool) -> Any:
     """The estimate of a step of one item: the cheapest test of whether a configuration can fit at all
     (one trace, where a plan that cannot fit searches the catalog for where it would)."""
-    from ..planning.estimate import estimate
-
     return estimate(workload, 1, device=dev, precision=precision, checkpointing="blocks" if checkpointing else None)
 
 
@@ -186,7 +180,6 @@ def _equalised(workload: Workload, found: Any, share: int, dev: Device) -> Any:
     splits = [[micro] * steps for _ in range(found.gpus)]
     if found.splits == splits:
         return found
-    from ..planning.estimate import estimate
 
     est = estimate(
         workload,

@@ -19,7 +19,15 @@ from torch import nn
 from ..activation_checkpointing import UseReentrant
 from ..activation_checkpointing import model_layers as checkpoint_layers
 from ..errors import ConfigError
-from ..sources.optim import construct
+from ..sources.hf_tasks import (
+    choose_task,
+    default_length,
+    item_shape,
+    make_batch_fn,
+    max_positions,
+    task_of_architecture,
+)
+from ..sources.optim import construct, known_states
 from ..third_party import quiet_third_party
 from ..workload import Workload
 from ._common import RepeatedItems, one_line, require
@@ -89,8 +97,6 @@ class TrainerOptimizer:
     def states(self) -> Any:
         """The closed form of ``args.optim``'s states per tensor (None for a name batchfit does not know: the
         analytic estimate then assumes AdamW's)."""
-        from ..sources.optim import known_states
-
         return known_states(self.name)
 
     def __call__(self, params: Any) -> torch.optim.Optimizer:
@@ -171,15 +177,6 @@ def sample_batch(model: nn.Module, args: TrainingArguments, sample: Mapping[str,
 
 def _synthetic_batch(model: nn.Module, seq_len: int | None) -> tuple[Callable[[int], Any], int | None, str]:
     """``(batch_fn, tokens_per_item, what)``: the batch the model's task head trains on, from its config."""
-    from ..sources.hf_tasks import (
-        choose_task,
-        default_length,
-        item_shape,
-        make_batch_fn,
-        max_positions,
-        task_of_architecture,
-    )
-
     base = _base(model)
     config = getattr(base, "config", None)
     if config is None:

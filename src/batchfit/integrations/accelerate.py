@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DoesNotFitError
+from ..sources import load
+from ..train.distributed import decided_on_main, world_size
 from ..train.oom_resplit import is_out_of_memory
 from ._common import equal_plan, largest_divisor_at_most, per_rank_share, require
 
@@ -57,8 +59,6 @@ class Attempt:
 
 def _world_size() -> int:
     """Processes training: torch.distributed's group once initialised, else the launcher's ``WORLD_SIZE``."""
-    from ..train.distributed import world_size
-
     return world_size() if world_size() > 1 else max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
@@ -94,7 +94,6 @@ class ExecutableBatchSize:
         self.function = function
         self.global_batch_size = global_batch_size
         if isinstance(workload, str):  # a preset name, hub id or spec: resolved once, here (an unknown one fails now)
-            from ..sources import load
 
             workload = load(workload)
         self.device, self.workload = device, workload
@@ -111,7 +110,6 @@ class ExecutableBatchSize:
             return largest_divisor_at_most(share, max(1, int(self.micro_batch_size)))
         if self.workload is None:
             return share
-        from ..train.distributed import decided_on_main
 
         device = self.device if self.device is not None else "cuda"
         rung = (self.precision or _accelerate_precision(), self.checkpointing)

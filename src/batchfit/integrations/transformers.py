@@ -32,6 +32,10 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..memory.trace.fake_step import fake_model
+from ..runtime.monitor import MemoryMonitor
+from ..train.distributed import decided_on_main
+from ..units import format_bytes
 from ..workload import Workload
 from ._common import equal_plan, plan_device, require
 
@@ -180,8 +184,6 @@ def plan_training_arguments(
                 margin=margin,
             )
 
-    from ..train.distributed import decided_on_main
-
     plan = decided_on_main(decide)  # under torchrun: rank 0 plans, every rank gets its plan (or its error)
     return dataclasses.replace(args, **training_argument_fields(plan)), plan
 
@@ -203,8 +205,6 @@ def training_arguments_planner(path: str | Path) -> Callable[..., Any]:
 
 def _with_layers(workload: Workload) -> Workload:
     """``workload`` whose ``checkpoint_blocks`` are its model's checkpointed layers (found on fake tensors)."""
-    from ..memory.trace.fake_step import fake_model
-
     return dataclasses.replace(workload, checkpoint_blocks=checkpoint_layers(fake_model(workload)))
 
 
@@ -224,8 +224,6 @@ class BatchfitCallback(TrainerCallback):
     """
 
     def __init__(self, plan: Any, *, cuda: Any = None, nvml: Any = None, write: Callable[[str], Any] = print) -> None:
-        from ..runtime.monitor import MemoryMonitor
-
         self.plan = plan
         self.monitor = MemoryMonitor(plan.estimate, cuda=cuda if cuda is not None else torch.cuda, nvml=nvml)
         self.write = write
@@ -239,8 +237,6 @@ class BatchfitCallback(TrainerCallback):
         world = args.world_size
         ran = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         if state.is_world_process_zero:
-            from ..units import format_bytes
-
             self.write(
                 f"batchfit: global batch {p.global_batch_size} = {p.micro_batch_size} per device x "
                 f"{p.accumulation_steps} accumulation x {p.gpus} GPUs on {p.device}, {p.precision}"

@@ -20,11 +20,19 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from ..gpu.catalog import Device
+from ..workload import ParallelLayout
 from .allocator.caching import replay, round_size
+from .analytic import analytic_estimate
+from .cache import CACHE, Uncacheable, trace_key
 from .categories import ORDER, Category
+from .kernels.cpu_probe import CpuScratchProbe
+from .kernels.cuda import CudaKernels, cuda_emulation
 from .kernels.cudnn import WORKSPACE
-from .trace.fake_step import MemoryTrace
+from .synthesis.accumulation import accumulating_trace
+from .synthesis.depth import trace_deep
+from .trace.fake_step import MemoryTrace, trace_workload
 from .trace.heap import full_collections_deferred
 
 if TYPE_CHECKING:
@@ -234,8 +242,6 @@ def paged_bytes(trace: MemoryTrace) -> int:
 
 def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
     """An int >= 1, or one clear error naming the fix."""
-    from ..errors import ConfigError
-
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"{what} must be a whole number >= 1, got {batch_size!r}")
     return batch_size
@@ -251,10 +257,7 @@ def trace_for_device(
     just before a step is traced (not when the cache has it: a progress display names real work)."""
     import dataclasses
 
-    from .cache import CACHE
-
     if workload.accumulation_steps > 1 and not device.exact:  # the plain step's, a second micro-batch written in
-        from .synthesis.accumulation import accumulating_trace
 
         plain = trace_for_device(with_accumulation(workload, 1), batch_size, device, policy, classes, announce)
         accumulating = accumulating_trace(plain)
@@ -277,8 +280,6 @@ def cached_trace(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace | None:
     """The trace the cache holds of this step, or None: never traces (a guess may use what is known)."""
-    from .cache import CACHE
-
     key = _cache_key(workload, batch_size, device, policy, classes)
     return None if key is None else CACHE.get(key, [], count=False)
 
@@ -287,8 +288,6 @@ def _cache_key(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> str | None:
     """The trace cache's key of this step (None: the workload cannot be described, so is not cached)."""
-    from .cache import Uncacheable, trace_key
-
     try:
         return trace_key(workload, batch_size, device, policy, classes)
     except Uncacheable:
@@ -298,18 +297,11 @@ def _cache_key(
 def _trace_for_device(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
 ) -> MemoryTrace:
-    from .synthesis.depth import trace_deep
-    from .trace.fake_step import trace_workload
-
     def trace(depth: Any) -> MemoryTrace:
         if device.exact:
-            from .kernels.cpu_probe import CpuScratchProbe
-
             kernels: Any = CpuScratchProbe()
             emulation = None
         else:
-            from .kernels.cuda import CudaKernels, cuda_emulation
-
             kernels = CudaKernels(device)
             emulation = cuda_emulation(policy, device.compute_capability)
         return trace_workload(
@@ -340,8 +332,6 @@ def finish_estimate(
     allocator_capacity: int | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a trace (shared by ``estimate`` and the fitter's predicted traces)."""
-    from .analytic import analytic_estimate
-
     return estimate_from_trace(
         trace,
         workload=workload.name,
@@ -370,9 +360,6 @@ def with_layout(workload: Workload, layout: Any) -> Workload:
     if layout is None:
         return workload
     import dataclasses
-
-    from ..errors import ConfigError
-    from ..workload import ParallelLayout
 
     if not isinstance(layout, ParallelLayout):
         raise ConfigError(f"parallel must be a batchfit.ParallelLayout, got {type(layout).__name__}")

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import BatchfitError, TraceError, first_line
 from ..workload import model_tensors, trainable_parameters
+from .cache import CACHE
+from .steps import default_dtype, prefer_foreach
+from .synthesis.stackplan import plan_cut
+from .synthesis.stacks import _tensors, cut_stacks, synthesis_enabled
+from .trace.construct import build_fake_model, fake_session, materialize_lazy
+from .trace.fake_step import _make_optimizer
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -47,18 +54,10 @@ class StateBytes:
 
 def state_bytes(workload: Workload, param_dtype: torch.dtype | None) -> StateBytes:
     """The parameters, gradients and optimizer states of ``workload`` in ``param_dtype`` (cached)."""
-    from .cache import CACHE
-
     return CACHE.fact("state bytes", workload, param_dtype, lambda: _state_bytes(workload, param_dtype))
 
 
 def _state_bytes(workload: Workload, param_dtype: torch.dtype | None) -> StateBytes:
-    from ..errors import BatchfitError, TraceError
-    from .steps import default_dtype, prefer_foreach
-    from .synthesis.stacks import synthesis_enabled
-    from .trace.construct import build_fake_model, fake_session, materialize_lazy
-    from .trace.fake_step import _make_optimizer
-
     plan = _cut_plan(workload, param_dtype) if synthesis_enabled() else None
     with fake_session():
         with default_dtype(param_dtype):
@@ -96,8 +95,6 @@ def _state_bytes(workload: Workload, param_dtype: torch.dtype | None) -> StateBy
 
 
 def _cut_plan(workload: Workload, param_dtype: torch.dtype | None) -> Any:
-    from .synthesis.stackplan import plan_cut
-
     plan = plan_cut(workload, param_dtype)
     return plan if plan is not None and plan.stacks else None
 
@@ -105,8 +102,6 @@ def _cut_plan(workload: Workload, param_dtype: torch.dtype | None) -> Any:
 def _repeats(model: Any, plan: Any) -> dict[int, int]:
     """How many times each tensor of the blocks a plan's cut keeps stands for itself: once, and once
     more for each block the cut dropped that repeats it (the middle period's, every written block's)."""
-    from .synthesis.stacks import _tensors, cut_stacks
-
     cut_stacks(model, list(plan.stacks))
     out: dict[int, int] = {}
     for stack in plan.stacks:
@@ -130,8 +125,6 @@ def _storage_bytes(tensors: Any, repeats: dict[int, int] | None = None, owners: 
 
 
 def _failed(what: str, e: Exception) -> str:
-    from ..errors import first_line
-
     return (
         f"counting the model's parameters and optimizer states failed in {what}: {type(e).__name__}: {first_line(e)} "
         "(the training step would fail the same way: check the model, batch, loss and optimizer)"

@@ -17,7 +17,10 @@ import torch
 from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device, get_device
+from ..gpu.real_gpu import cuda_device
+from ..memory.steps import build_for_steps, run_workload_steps
 from ..precision import PrecisionPolicy, policy_for
+from ..runtime.cuda_steps import cuda_step_fits
 from ..runtime.simulated import SimulatedDevice
 
 if TYPE_CHECKING:
@@ -38,8 +41,6 @@ def device_budget(device: str | Device | SimulatedDevice, margin: float) -> tupl
     if isinstance(device, SimulatedDevice):
         return device.device, int(device.capacity_bytes * (1 - margin))
     if _is_cuda(device):
-        from ..gpu.real_gpu import cuda_device
-
         dev = cuda_device()
     else:
         dev = get_device(device)
@@ -68,8 +69,6 @@ def real_step(
     if isinstance(device, SimulatedDevice):
         return lambda workload, batch_size: _simulated_step_fits(workload, batch_size, budget, policy, classes)
     if _is_cuda(device):
-        from ..runtime.cuda_steps import cuda_step_fits
-
         return lambda workload, batch_size: cuda_step_fits(workload, batch_size, policy, classes)
     return None
 
@@ -82,8 +81,6 @@ def _simulated_step_fits(
     workload: Workload, batch_size: int, capacity: int, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> bool:
     """Run two real steps at ``batch_size`` inside a fresh simulated device; False on its OOM."""
-    from ..memory.steps import build_for_steps, run_workload_steps
-
     # foreach: what torch picks for CUDA parameters, as the tracer does
     model, optimizer = build_for_steps(workload, policy.param_dtype, classes, foreach=True)
     sim = SimulatedDevice(capacity, policy=policy)

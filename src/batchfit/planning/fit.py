@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device
+from ..memory.cache import CACHE
 from ..memory.estimate import with_accumulation
 from ..precision import policy_for
 from ..runtime.simulated import SimulatedDevice
@@ -110,7 +111,6 @@ def fit(
     if not is_modelled(device):
         return run()
     # A modelled device: the answer is a function of the workload and these settings alone.
-    from ..memory.cache import CACHE
 
     dev = device_budget(device, margin)[0]  # type: ignore[arg-type]
     blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..memory.categories import Category
 from ..memory.trace.fake_step import MemoryTrace
+from ..units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,6 @@ class KnownError:
 
     def describe(self, kept_bytes: int) -> str:
         """One line: what is kept free and why."""
-        from ..units import format_bytes
-
         return (f"kept {format_bytes(kept_bytes)} ({100 * self.fraction:.1f}% of the budget) free for {self.family} "
                 f"layers: {self.evidence}")  # fmt: skip
 

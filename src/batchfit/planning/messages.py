@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..advice.batchnorm import advice_for_layers, layer_facts
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device, catalog
+from ..memory.cache import CACHE
+from ..memory.trace.fake_step import fake_model
 from .fit import fit
 from .ladder import _Config
+from .options import fit_estimate_at
 
 if TYPE_CHECKING:
     from ..workload import Workload
 
 
 def _warnings(wl: Workload, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
-    from ..advice.batchnorm import advice_for_layers, layer_facts
-    from ..memory.cache import CACHE
-    from ..memory.trace.fake_step import fake_model
-
     layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
     text = advice_for_layers(layers, micro, global_batch_size, gpus)
     return (text,) if text else ()
@@ -89,8 +89,6 @@ def _nothing_fits(wl: Workload, dev: Device, gpus: int, rungs: list[_Config]) ->
 def _fewest_items(wl: Workload, dev: Device, rung: _Config) -> tuple[str, str]:
     """"one item", or "two items" and why when a step of one item cannot run at all (BatchNorm after a
     global pooling needs two values per channel): the fits then tried two, and the message says so."""
-    from .options import fit_estimate_at
-
     try:
         fit_estimate_at(wl, dev, rung.precision, rung.checkpointing, False, gpus=1, batch_size=1)
     except TraceError as e:

@@ -13,10 +13,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..activation_checkpointing import checkpoint_classes
 from ..batching import make_splits
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device
-from ..memory.estimate import Estimate, with_accumulation
+from ..memory.cache import CACHE
+from ..memory.estimate import Estimate, cached_trace, finish_estimate, trace_for_device, with_accumulation
+from ..memory.states import state_bytes
+from ..memory.synthesis.scaling import TraceLine
+from ..memory.synthesis.sharding import shard_trace
+from ..precision import policy_for
+from .cost import predict_step_time
 from .fit import FitResult, fit
 from .ladder import _Config, most_split
 
@@ -63,9 +70,6 @@ class _Fitted:
 
 def _could_fit(wl: Workload, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
     """False when the model's state alone (no activations, no batch) exceeds the GPU: no trace needed."""
-    from ..memory.states import state_bytes
-    from ..precision import policy_for
-
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     try:
         states = state_bytes(wl, policy.param_dtype)
@@ -94,9 +98,6 @@ def _fit_config(
     Kept with the traces (the fit, and the whole-share estimate beside it), so that a repeated plan
     traces nothing and replays no allocator.
     """
-    from ..memory.cache import CACHE
-    from ..precision import policy_for
-
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     settings = (config, gpus, share, margin, verify, wl.accumulation_steps)
 
@@ -166,12 +167,6 @@ def _may_fit_whole(
     does not, predicted from the plain steps the accumulating ones were written from where the cache has
     them (``memory/synthesis/accumulation.py``; else from the accumulating step less its gradients, alive in it
     only), with an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
-    from ..activation_checkpointing import checkpoint_classes
-    from ..memory.estimate import cached_trace, finish_estimate, with_accumulation
-    from ..memory.states import state_bytes
-    from ..memory.synthesis.scaling import TraceLine
-    from ..precision import policy_for
-
     policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     plain = with_accumulation(wl, 1)
     classes = checkpoint_classes(config.checkpointing, wl.checkpoint_blocks)
@@ -189,8 +184,6 @@ def _may_fit_whole(
             return True
         slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards)
     if shards > 1:
-        from ..memory.synthesis.sharding import shard_trace
-
         trace = shard_trace(trace, shards)
     est = finish_estimate(trace, plain, share, dev, policy, classes)
     if generous:
@@ -200,10 +193,6 @@ def _may_fit_whole(
 
 def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
     """A fitted configuration as a plan option, with its predicted time per global batch."""
-    from ..memory.states import state_bytes
-    from ..precision import policy_for
-    from .cost import predict_step_time
-
     result, config = fitted.result, fitted.config
     splits = plan_splits(config, global_batch_size, gpus, result.max_batch_size)
     micro = max(max(s) for s in splits)
@@ -248,12 +237,6 @@ def fit_estimate_at(
 ) -> Estimate:  # fmt: skip
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
     that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
-    from ..activation_checkpointing import checkpoint_classes
-    from ..memory.cache import CACHE
-    from ..memory.estimate import finish_estimate, trace_for_device
-    from ..memory.synthesis.sharding import shard_trace
-    from ..precision import policy_for
-
     policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
     classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)
 

@@ -20,12 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..advice.lr import lr_scaling
 from ..batching import rank_shares
 from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
+from ..memory.cache import CACHE
 from ..memory.estimate import Estimate
+from ..memory.trace.fake_step import fake_model
+from ..memory.trace.tp_plan import degree_error, split_facts
 from ..sources import as_workload as _as_workload
-from ..workload import Workload
+from ..workload import ParallelLayout, Workload
+from .cost import link_gbps
 from .ladder import _Config, _ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
 from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
@@ -89,7 +94,6 @@ class Plan:
         """The ``ParallelLayout`` a rank trains in (None: no tensor parallelism)."""
         if self.tensor_parallel <= 1:
             return None
-        from ..workload import ParallelLayout
 
         return ParallelLayout(self.tensor_parallel, self.sequence_parallel, fsdp=self.data_parallel)
 
@@ -194,8 +198,6 @@ def plan(
         >>> [sum(s) for s in p.splits]
         [100, 100, 100]
     """
-    from .cost import link_gbps
-
     _validate(global_batch_size, gpus)
     wl = _as_workload(workload)
     lr = _scaled_lr(wl, global_batch_size, base_lr, base_batch_size, lr_rule)  # before fitting: fail fast
@@ -383,10 +385,6 @@ def _tensor_parallel_degrees(
         ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid
             ones), or sequence parallelism asked of a plan outside numbered blocks.
     """
-    from ..memory.cache import CACHE
-    from ..memory.trace.fake_step import fake_model
-    from ..memory.trace.tp_plan import degree_error, split_facts
-
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
         raise ConfigError(f"the tensor-parallel degree must be a whole number >= 1, got {asked!r}")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -423,6 +421,5 @@ def _scaled_lr(
             "give both base_lr and base_batch_size (--base-lr, --base-batch-size): a learning rate and the "
             "global batch it was tuned at"
         )
-    from ..advice.lr import lr_scaling
 
     return lr_scaling(base_lr, base_batch_size, global_batch_size, rule, optimizer=wl.optimizer)

@@ -20,9 +20,11 @@ from ..errors import ConfigError, DoesNotFitError, TraceError
 from ..gpu.catalog import Device
 from ..memory.estimate import Estimate, finish_estimate, read_peak, trace_for_device
 from ..memory.synthesis.scaling import TraceLine
+from ..memory.synthesis.sharding import shard_trace
 from ..memory.trace.fake_step import MemoryTrace
 from ..precision import PrecisionPolicy
 from ..units import format_bytes
+from .known_error import known_error_for
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -194,8 +196,6 @@ class _Search:
     def _keep_known_error_free(self, trace: MemoryTrace) -> None:
         """Take the measured error of the step's family out of the budget, once (NOTE [ Keeping a measured
         error free ])."""
-        from .known_error import known_error_for
-
         self.keep_known_error = False
         known = known_error_for(trace)
         if known is not None:
@@ -214,8 +214,6 @@ class _Search:
     def _estimate(self, trace: MemoryTrace, b: int, workload: Workload | None = None) -> Estimate:
         """The estimate of ``trace`` at search point ``b`` (of the searched workload unless ``workload``)."""
         if self.shard_over > 1:
-            from ..memory.synthesis.sharding import shard_trace
-
             trace = shard_trace(trace, self.shard_over)
         return finish_estimate(
             trace,
@@ -240,8 +238,6 @@ class _Search:
         context) fits. The allocator reserves at least that, so a b that fails here fails for real."""
         trace = line.at(b)
         if self.shard_over > 1:
-            from ..memory.synthesis.sharding import shard_trace
-
             trace = shard_trace(trace, self.shard_over)
         held = read_peak(trace, rounded=not self.device.exact).peak_bytes
         return held + (0 if self.reserved_only else self.device.context_bytes) <= self.budget

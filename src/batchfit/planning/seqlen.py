@@ -33,6 +33,7 @@ from ..memory.estimate import Estimate, check_batch_size, with_accumulation
 from ..memory.synthesis.scaling import TraceCurve, same_step
 from ..memory.trace.fake_step import MemoryTrace
 from ..runtime.simulated import SimulatedDevice
+from ..workload import Workload
 from .budget import fit_setting, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
 
@@ -96,8 +97,6 @@ class _SeqSearch(_Search):
     def workload_at(self, k: int) -> Workload:
         """The workload rebuilt at ``k * multiple`` tokens (checked: a ``Workload``, or one clear error)."""
         if k not in self._rebuilt:
-            from ..workload import Workload
-
             length, base = k * self.multiple, self.workload
             try:
                 rebuilt = base.at_seq_len(length)

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..batching import map_tensors
+from ..errors import ConfigError
 from ..memory.estimate import check_batch_size
+from ..memory.measure import measure_cpu_peak
 from ..memory.steps import loss_for_backward
 from ..sources import as_workload as _as_workload
 from ..workload import trainable_parameters
@@ -98,8 +101,6 @@ def measurable_device(device: Any) -> torch.device:
     Raises:
         ConfigError: anything else, or ``cuda`` with no GPU visible.
     """
-    from ..errors import ConfigError
-
     text = str(device).strip().lower()
     if text == "cpu":
         return torch.device("cpu")
@@ -122,8 +123,6 @@ def parse_batch_sizes(text: str, option: str = "--batch-sizes") -> list[int]:
     Raises:
         ConfigError: the text is empty or malformed, naming ``option`` and the entry at fault.
     """
-    from ..errors import ConfigError
-
     example = f"e.g. {option} 1,2,4,8"
     if not text.strip():
         raise ConfigError(f"{option} is empty; give whole numbers separated by commas, {example}")
@@ -158,8 +157,6 @@ def sweep(
         ConfigError: a device not on this machine (see :func:`measurable_device`), an empty or
             non-positive list of batch sizes, or fewer than one step.
     """
-    from ..errors import ConfigError
-
     target = measurable_device(device)
     sizes = sorted(set(default_batch_sizes() if batch_sizes is None else batch_sizes))
     if not sizes:
@@ -180,7 +177,6 @@ def sweep(
     for i, b in enumerate(sizes):
         if progress is not None:
             progress(i, len(sizes), b)
-        from ..batching import map_tensors
 
         batch = map_tensors(wl.batch(b), lambda t: t.to(target))
         seconds = _time_steps(model, optimizer, batch, wl.loss, steps, warmup, sync)
@@ -191,8 +187,6 @@ def sweep(
                 _time_steps(model, optimizer, batch, wl.loss, 1, 0, sync)
                 peak = int(torch.cuda.max_memory_allocated())
             else:
-                from ..memory.measure import measure_cpu_peak
-
                 peak = measure_cpu_peak(wl, b)
         del batch
         items = b / seconds

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..memory.cache import CACHE, Uncacheable, cache_dir, workload_digest
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -103,7 +104,6 @@ class FitAhead:
 
     def spawn(self, fit_one: Any) -> None:
         """Fork one child that claims and fits (``fit_one(config)``) configurations until none is left."""
-        from ..memory.cache import CACHE
         from ..memory.synthesis.depth import STATS
 
         parent = os.getpid()
@@ -191,7 +191,6 @@ class FitAhead:
         return bool(done)
 
     def _reap(self, pid: int, ok: bool) -> None:
-        from ..memory.cache import CACHE
         from ..memory.synthesis.depth import STATS
 
         read = self._reads.pop(pid)
@@ -242,8 +241,6 @@ def fit_ahead(workload: Workload, configs: list[Any], workers: int, fit_one: Any
 
 def _can_fork() -> bool:
     """Linux, and a disk cache that can be written (the only way a child's answer comes back)."""
-    from ..memory.cache import CACHE, cache_dir
-
     if not (sys.platform.startswith("linux") and hasattr(os, "fork") and CACHE.enabled):
         return False
     root = cache_dir()
@@ -285,8 +282,6 @@ def _die_with(parent: int) -> None:
 
 def _cacheable(workload: Workload) -> bool:
     """Whether the plan's facts about ``workload`` are kept on disk (how a child's answer comes back)."""
-    from ..memory.cache import Uncacheable, workload_digest
-
     try:
         workload_digest(workload, None)
     except Uncacheable:

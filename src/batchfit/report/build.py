@@ -13,8 +13,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..activation_checkpointing import checkpoint_classes
+from ..advice.lr import lr_scaling
 from ..errors import ConfigError, DoesNotFitError
+from ..gpu.catalog import get_device
+from ..memory.estimate import check_batch_size, finish_estimate, trace_for_device, with_accumulation
+from ..memory.synthesis.sharding import shard_trace
 from ..memory.trace.fake_step import MemoryTrace
+from ..planning.plan import plan as make_plan
+from ..planning.sweep import sweep
+from ..precision import policy_for
+from ..sources import as_workload as _as_workload
 from .figures import (
     Figure,
     estimates_over_batch_sizes,
@@ -106,14 +115,6 @@ def build_report(
         ConfigError: bad sizes, device or precision; only one of ``base_lr`` and ``base_batch_size``;
             matplotlib missing.
     """
-    from ..activation_checkpointing import checkpoint_classes
-    from ..gpu.catalog import get_device
-    from ..memory.estimate import check_batch_size, finish_estimate, trace_for_device, with_accumulation
-    from ..memory.synthesis.sharding import shard_trace
-    from ..planning.plan import plan as make_plan
-    from ..precision import policy_for
-    from ..sources import as_workload as _as_workload
-
     say = progress or (lambda _msg: None)
     _require_matplotlib()
     if (base_lr is None) != (base_batch_size is None):
@@ -127,8 +128,6 @@ def build_report(
 
     lr = None  # before the slow stages, so a bad learning rate fails at once
     if base_lr is not None and base_batch_size is not None:
-        from ..advice.lr import lr_scaling
-
         lr = lr_scaling(base_lr, base_batch_size, global_batch, lr_rule, optimizer=wl.optimizer)
 
     plan = None
@@ -166,8 +165,6 @@ def build_report(
 
     sweep_result = None
     if sweep_batch_sizes:
-        from ..planning.sweep import sweep
-
         say(f"sweeping throughput on the CPU over batch sizes {', '.join(map(str, sweep_batch_sizes))}")
         sweep_result = sweep(wl, device="cpu", batch_sizes=list(sweep_batch_sizes), steps=sweep_steps)
 

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..memory.allocator.caching import round_size
 from ..memory.categories import ORDER, Category
+from ..memory.estimate import finish_estimate, trace_for_device
+from ..memory.synthesis.scaling import TraceLine
+from ..memory.synthesis.sharding import shard_trace
 from ..memory.trace.fake_step import MemoryTrace
 from ..units import GiB, KiB, MiB, format_bytes
 from .plots import _pyplot, plot_sweep
@@ -132,10 +135,6 @@ def estimates_over_batch_sizes(
         upper: the largest batch size on the curve.
         shard_over: estimate one rank of FSDP over this many GPUs (``memory/synthesis/sharding.py``).
     """
-    from ..memory.estimate import finish_estimate, trace_for_device
-    from ..memory.synthesis.scaling import TraceLine
-    from ..memory.synthesis.sharding import shard_trace
-
     known = {} if known is None else known
 
     def traced(b: int) -> MemoryTrace:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._version import __version__
 from ..units import format_bytes
 from .build import DEFAULT_GLOBAL_BATCH_SIZE, Report, build_report
 from .sections import _e, _estimate_section, _img, _plan_section, _sweep_section
@@ -47,8 +48,6 @@ code { background: #f4f4f4; padding: 0 0.25em; }
 
 def render_html(report: Report) -> str:
     """The report as one HTML document: no external file, script or font; figures as data URIs."""
-    from .._version import __version__
-
     r = report
     title = f"batchfit report: {r.workload} on {r.device}"
     budget = ""

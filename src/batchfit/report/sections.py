@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..memory.categories import ORDER
+from ..planning.plan import describe_split
 from ..units import format_bytes
 from .figures import COLORS, Figure
 
@@ -81,8 +82,6 @@ def _estimate_section(r: Report) -> str:
 
 
 def _plan_section(r: Report) -> str:
-    from ..planning.plan import describe_split
-
     out = ["<h2>Plan</h2>"]
     p = r.plan
     if p is None:

@@ -38,11 +38,17 @@ from typing import Any, Protocol
 
 import torch
 
+from .._version import __version__
 from ..errors import NoGpuError
 from ..gpu.catalog import ConvWorkspace
+from ..gpu.context import detect_module_loading
 from ..gpu.profiles import ConvMeasurement, DeviceProfile, GpuIdentity
+from ..gpu.real_gpu import driver_version
 from ..memory.allocator.caching import round_size
 from ..memory.kernels.cudnn import BACKWARD_DATA, BACKWARD_FILTER, BENCHMARK_WORKSPACE, FORWARD, HEURISTIC_WORKSPACE
+from ..memory.steps import build_for_steps, run_workload_steps
+from ..precision import policy_for
+from ..sources import presets
 
 DIRECTIONS = (FORWARD, BACKWARD_DATA, BACKWARD_FILTER)
 
@@ -163,8 +169,6 @@ def _convs(gpu: Gpu, batch: int, dtypes: list[torch.dtype], quick: bool) -> list
 
 
 def _batchfit_version() -> str:
-    from .._version import __version__
-
     return __version__
 
 
@@ -205,14 +209,11 @@ class TorchGpu:
 
     # -- identity and settings ---------------------------------------------------------------------
     def identity(self) -> GpuIdentity:
-        from ..gpu.real_gpu import driver_version
-
         props = self.cuda.get_device_properties(self.cuda.current_device())
         return GpuIdentity(str(props.name), driver_version(self._nvml), str(torch.version.cuda), str(torch.__version__))
 
     def properties(self) -> dict[str, Any]:
         props = self.cuda.get_device_properties(self.cuda.current_device())
-        from ..gpu.context import detect_module_loading
 
         cc = (int(props.major), int(props.minor))
         env = self.environ
@@ -301,10 +302,6 @@ class TorchGpu:
 
     # -- training steps ------------------------------------------------------------------------------
     def run_steps(self, quick: bool) -> list[str]:
-        from ..memory.steps import build_for_steps, run_workload_steps
-        from ..precision import policy_for
-        from ..sources import presets
-
         cc = self.properties()["compute_capability"]
         low = "bf16" if cc >= (8, 0) else "fp16"
         workloads = [("mlp", {}), ("cnn", {}), ("gpt", dict(n_layer=2, n_embd=128, n_head=4, seq_len=128,

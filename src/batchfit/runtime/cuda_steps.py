@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..memory.steps import build_for_steps, run_workload_steps
+
 if TYPE_CHECKING:
     from ..workload import Workload
 
@@ -23,8 +25,6 @@ def cuda_step_fits(
     Everything the attempt allocated is dropped and the cache emptied before returning, whatever
     happened, so the next attempt starts from the same state.
     """
-    from ..memory.steps import build_for_steps, run_workload_steps
-
     model = optimizer = None
     try:
         model, optimizer = build_for_steps(workload, policy.param_dtype, classes, device="cuda")

@@ -39,10 +39,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..gpu.catalog import Device, get_device
+from ..batching import map_tensors
+from ..errors import ConfigError
+from ..gpu.catalog import Device, generic_device, get_device
 from ..memory.allocator.caching import AllocatorStats, CachingAllocator
+from ..memory.kernels.cuda import CudaKernels, cuda_emulation
 from ..memory.trace.tracker import StorageTracker
-from ..precision import PrecisionPolicy
+from ..precision import PrecisionPolicy, policy_for
 from ..units import format_bytes, parse_bytes
 
 
@@ -106,8 +109,6 @@ class SimulatedDevice:
         if isinstance(capacity, Device) or (isinstance(capacity, str) and not capacity[:1].isdigit()):
             dev = get_device(capacity)  # type: ignore[arg-type]
             if dev.usable_bytes is None:
-                from ..errors import ConfigError
-
                 raise ConfigError("a simulated device needs a capacity; give a GPU name or one like '8GiB', not cpu")
             self.device = dev
             self.capacity_bytes = dev.usable_bytes
@@ -119,7 +120,6 @@ class SimulatedDevice:
         self._handles: dict[int, int] = {}
         self._tracker = _DeviceStorages(self._on_alloc, self._on_free, self._after_op)
         self._stack: contextlib.ExitStack | None = None
-        from ..memory.kernels.cuda import CudaKernels
 
         # One kernel model for the device's life: its cuBLAS workspaces, once allocated, stay (as on a
         # GPU, where each handle keeps its workspace), however often the device is entered.
@@ -180,8 +180,6 @@ class SimulatedDevice:
         Raises:
             torch.OutOfMemoryError: a copy does not fit (nothing of it stays on the device).
         """
-        from ..batching import map_tensors
-
         def move(t: torch.Tensor) -> torch.Tensor:
             if self.holds(t):
                 return t
@@ -224,16 +222,12 @@ class SimulatedDevice:
         return self._stack is not None
 
     def __enter__(self) -> SimulatedDevice:
-        from ..memory.kernels.cuda import cuda_emulation
-
         if self._stack is not None:
             raise RuntimeError("this SimulatedDevice is already entered")
         stack = contextlib.ExitStack()
         if self._policy is not None:
             stack.enter_context(cuda_emulation(self._policy, self.device.compute_capability)())
         else:
-            from ..precision import policy_for
-
             stack.enter_context(cuda_emulation(policy_for("fp32"))())
         stack.enter_context(self._tracker)
         self._stack = stack
@@ -248,8 +242,6 @@ class SimulatedDevice:
 def _generic(capacity_bytes: int) -> Device:
     """A generic modern GPU whose allocator may reserve ``capacity_bytes`` (no context on top)."""
     import dataclasses
-
-    from ..gpu.catalog import generic_device
 
     template = generic_device("80GiB")
     return dataclasses.replace(

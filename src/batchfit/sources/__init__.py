@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, UnknownNameError
+from . import presets
+from .presets import call_workload_function, make_optimizer
+from .presets import load as load_module_function
 
 if TYPE_CHECKING:  # torch is imported when a workload is loaded, not by ``batchfit presets``
     from ..workload import Workload
@@ -69,9 +72,6 @@ def _from_file(path: str, attr: str, spec: str) -> Any:
 
 
 def _function_spec(spec: str, overrides: dict[str, Any]) -> Workload:
-    from .presets import call_workload_function
-    from .presets import load as load_module_function
-
     path, _, attr = spec.rpartition(":")
     if path.endswith(".py") or "/" in path or "\\" in path:
         if not attr:
@@ -82,7 +82,6 @@ def _function_spec(spec: str, overrides: dict[str, Any]) -> Workload:
 
 def _hub_workload(spec: str, task: str | None, overrides: dict[str, Any]) -> Workload:
     from .hub import load_config, workload_from_config
-    from .presets import make_optimizer
 
     config = load_config(spec)
     fields = {k: v for k, v in overrides.items() if k not in _HUB_KEYS}
@@ -164,7 +163,6 @@ def load(
         ConfigError: one line naming the fix (unknown name, unreadable file, missing config, a fused loss on
             a model that is not a causal language model, ...).
     """
-    from . import presets
     from .hub import looks_like_config
 
     spec = (spec or "").strip()

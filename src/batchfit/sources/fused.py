@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from ..memory.kernels.fused_loss import IGNORE_INDEX, cce_loss, liger_loss
 from ..workload import Workload
 
 KINDS = ("liger", "cce")
@@ -40,8 +41,6 @@ def fused_lm_loss(kind: str, model: nn.Module, batch: Any) -> Any:
     """The loss of ``batch`` as a Liger- or cut-cross-entropy-patched forward computes it: a dict with
     ``labels`` (a transformers model's batch; the loss shifts them), or ``(input_ids, targets)`` with the
     targets already shifted (the presets'; the loss is then ``(loss_sum, n_tokens)``)."""
-    from ..memory.kernels.fused_loss import IGNORE_INDEX, cce_loss, liger_loss
-
     body, head = _parts(model)
     weight = getattr(head, "base_layer", head).weight  # a LoRA-wrapped head: the patched forward reads its base
     loss = liger_loss if kind == "liger" else cce_loss

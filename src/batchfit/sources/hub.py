@@ -18,7 +18,9 @@ from urllib.parse import urlparse
 
 from torch import nn
 
+from ..activation_checkpointing import model_layers
 from ..errors import ConfigError
+from ..memory.trace.construct import buildable_under_fake_mode
 from ..workload import Workload
 from .hf_tasks import (
     choose_task,
@@ -29,6 +31,7 @@ from .hf_tasks import (
     model_class_for,
     model_loss,
 )
+from .lora import with_adapters
 
 _CONFIG = "config.json"
 
@@ -142,7 +145,6 @@ def build_from_config(config: Any, class_name: str) -> nn.Module:
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise ConfigError(f"transformers {transformers.__version__} has no class {class_name}; upgrade transformers")
-    from ..memory.trace.construct import buildable_under_fake_mode
 
     with buildable_under_fake_mode():
         return cls(config)
@@ -155,8 +157,6 @@ def config_layers(config: Any, class_name: str) -> tuple[type[nn.Module], ...]:
     import warnings
 
     import torch
-
-    from ..activation_checkpointing import model_layers
 
     try:
         with torch.device("meta"), warnings.catch_warnings():
@@ -208,8 +208,6 @@ def workload_from_config(
     label = f"{named} ({chosen.name}, {item_shape(config, chosen, length)})"
     blocks = config_layers(config, class_name)
     if lora is not None:
-        from .lora import with_adapters
-
         model = partial(with_adapters, model, lora)
         label = f"{label} + {lora.describe()}"
         blocks = lora.checkpoint_blocks(blocks)

@@ -36,8 +36,9 @@ from typing import Any
 
 from torch import nn
 
+from ..activation_checkpointing import with_reentrant
 from ..errors import ConfigError
-from .quant import COMPUTE_DTYPES, QuantSpec
+from .quant import COMPUTE_DTYPES, QuantSpec, prepare_for_training, quantize
 
 METHODS = ("lora", "ia3")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -85,7 +86,6 @@ class LoraSpec:
         ``checkpointing.checkpoint_classes`` carries to every place that checkpoints)."""
         if self.reentrant is None:
             return blocks
-        from ..activation_checkpointing import with_reentrant
 
         return with_reentrant(blocks, self.reentrant)
 
@@ -203,8 +203,6 @@ def with_adapters(factory: Callable[[], nn.Module], spec: LoraSpec) -> nn.Module
 
     base = factory()
     if spec.quant is not None:
-        from .quant import prepare_for_training, quantize
-
         base = quantize(base, spec.quant)
         if spec.kbit_prep:
             base = prepare_for_training(base)

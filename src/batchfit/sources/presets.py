@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, UnknownNameError
 from ..models import hf
+from .optim import default_lr, optimizer_factory
 
 if TYPE_CHECKING:  # the presets' models import torch when a preset is built, not when listed
     import torch
@@ -79,8 +80,6 @@ def make_optimizer(name: str, lr: float | None = None) -> Callable[..., torch.op
         UnknownNameError: another optimizer name (the message lists the valid ones).
         MissingExtraError: the package of its class is not installed.
     """
-    from .optim import optimizer_factory
-
     return optimizer_factory(name, lr)
 
 
@@ -132,7 +131,6 @@ def _resolve(preset: str, knobs: Knobs, overrides: Mapping[str, Any]) -> dict[st
         if typ is float and key != "dropout" and not value > 0.0:
             raise ConfigError(f"preset {preset!r}: {key} must be positive, got {value!r}")
         cfg[key] = value
-    from .optim import default_lr
 
     if cfg["lr"] is None:
         cfg["lr"] = default_lr(cfg["optimizer"])  # an unknown name: one error listing the valid ones

@@ -15,6 +15,7 @@ import torch
 
 from ..batching import Batch, map_tensors
 from ..errors import ConfigError, UnknownNameError
+from ..gpu.catalog import generic_device, get_device
 from ..runtime.simulated import SimulatedDevice
 from .oom_errors import CacheReleaser, CudaCache, NoCache
 
@@ -65,8 +66,6 @@ def placement(device: str | torch.device | SimulatedDevice) -> Placement:
 
 def cuda_profile(index: int) -> Any:
     """The catalog entry of the visible GPU, or a generic GPU of its total memory if not in the catalog."""
-    from ..gpu.catalog import generic_device, get_device
-
     try:
         return get_device(torch.cuda.get_device_name(index))
     except UnknownNameError:

@@ -20,6 +20,7 @@ from torch.utils.data import Sampler
 
 from ..batching import rank_shares
 from ..errors import ConfigError
+from .distributed import rank, world_size
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -126,6 +127,4 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def _dist_place() -> tuple[int, int]:
-    from .distributed import rank, world_size
-
     return rank(), world_size()

@@ -32,8 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..advice.batchnorm import BatchNormWarning, batchnorm_advice
 from ..errors import ConfigError
+from ..memory.steps import default_dtype
+from ..precision import policy_for
+from ..runtime.simulated import SimulatedDevice
+from ..sources import load
+from ..workload import Workload, trainable_parameters
+from .distributed import distributed, shutdown
 from .sampler import GlobalBatchSampler
+from .save_resume import load_checkpoint, model_and_optimizer_states, read_checkpoint
 from .synthetic_process import (
     check_resume,
     checkpoint_step,
@@ -42,6 +50,7 @@ from .synthetic_process import (
     peak_reader,
     save_atomically,
 )
+from .trainer import Trainer
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -172,14 +181,6 @@ def train_synthetic(
         >>> [row["micro_batch_sizes"] for row in run.steps]
         [[16, 16, 16, 16], [16, 16, 16, 16]]
     """
-    from ..advice.batchnorm import BatchNormWarning, batchnorm_advice
-    from ..memory.steps import default_dtype
-    from ..precision import policy_for
-    from ..workload import Workload, trainable_parameters
-    from .distributed import distributed, shutdown
-    from .save_resume import load_checkpoint, model_and_optimizer_states, read_checkpoint
-    from .trainer import Trainer
-
     _whole(global_batch_size, "global_batch_size")
     _whole(steps, "steps")
     save = check_save_path(save)
@@ -195,8 +196,6 @@ def train_synthetic(
     checkpoint = Path(checkpoint) if checkpoint is not None else None
     resume = read_checkpoint(checkpoint) if checkpoint is not None and checkpoint.exists() else None
     if isinstance(workload, str):
-        from ..sources import load
-
         name = workload if name is None else name
         workload = load(workload)
     elif not isinstance(workload, Workload):
@@ -355,9 +354,6 @@ def _resolve_device(text: str, precision: str) -> tuple[Any, Any]:
     A simulated GPU is made with the precision policy of the GPU it stands for, so a bf16 run on a GPU
     without bf16 fails here, as it would on that GPU.
     """
-    from ..precision import policy_for
-    from ..runtime.simulated import SimulatedDevice
-
     spec = text.strip()
     if spec.lower() == "cpu" or spec.lower().split(":")[0] == "cuda":
         policy_for(precision)  # validates the name

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 
 
 def save_atomically(state: dict[str, Any], path: Path) -> None:
@@ -125,8 +125,6 @@ def checkpoint_step(
 
 def check_resume(payload: dict[str, Any], name: str, global_batch_size: int, seed: int) -> None:
     """Refuse to continue a run with other data: same preset, seed and global batch, or nothing."""
-    from ..errors import CheckpointError
-
     extra, plan = payload.get("extra", {}), payload.get("plan") or {}
     saved = (extra.get("preset"), extra.get("seed"), plan.get("global_batch_size"))
     if saved != (name, seed, global_batch_size):

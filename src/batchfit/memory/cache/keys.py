@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._version import __version__
+
 if TYPE_CHECKING:
     from ...workload import Workload
 
@@ -333,8 +335,6 @@ def installed() -> tuple[str, ...]:
     so only the names of the files on disk need them (``TraceCache``), and a process that keeps its traces
     in memory does not read them."""
     import torch
-
-    from ..._version import __version__
 
     versions = [__version__, _own_source(), torch.__version__, platform.python_version()]
     versions += [f"{name} {_installed_version(name)}" for name in ("transformers", "peft", "bitsandbytes", "torchao")]

@@ -76,7 +76,9 @@ import torch.nn.functional as F
 
 from ...gpu.catalog import Device
 from ...precision import PrecisionPolicy
+from ..trace import overrides
 from . import cudnn, quantized
+from .fused_loss import target_capability
 
 # -- 4. cuBLAS workspace ----------------------------------------------------------------------------
 _GEMMS = frozenset(
@@ -262,8 +264,6 @@ def _composite_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tens
 
 
 def _register_fused_dropout() -> None:
-    from ..trace import overrides
-
     overrides.register("cuda dropout", "dropout", "AutogradCPU", _fused_dropout, _composite_dropout)
 
 
@@ -276,8 +276,6 @@ def cuda_kernel_routing() -> Iterator[None]:
     take the CUDA-like path. Code that bound these functions by name at import time keeps the CPU
     path (a limitation; all of torch.nn and transformers look them up on the module).
     """
-    from ..trace import overrides
-
     _register_fused_dropout()
     saved = {name: getattr(F, name) for name in (*_DROPOUT_NAMES, "scaled_dot_product_attention")}
     try:
@@ -403,8 +401,6 @@ def _schema_name(op: Any) -> str:
 def _register_autocast_policy() -> list[str]:
     """Register CUDA's policy for the ops CPU autocast leaves alone, and CUDA's absence of one for the ops
     only CPU autocast runs in float32, once (``memory/trace/overrides.py``)."""
-    from ..trace import overrides
-
     if _CHANGED:
         return _CHANGED
     has = torch._C._dispatch_has_kernel_for_dispatch_key
@@ -428,8 +424,6 @@ def _register_autocast_policy() -> list[str]:
 @contextlib.contextmanager
 def cuda_autocast_policy() -> Iterator[list[str]]:
     """While active, CPU autocast casts like CUDA autocast (NOTE, item 3); yields the ops changed."""
-    from ..trace import overrides
-
     changed = _register_autocast_policy()
     with overrides.enabled("cuda autocast"):
         yield list(changed)
@@ -440,8 +434,6 @@ def cuda_emulation(
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of the context that makes a fake-CPU trace allocate like CUDA (NOTE, items 1-3 and 8) on a
     GPU of ``capability`` (which some libraries' branches read: ``memory/kernels/fused_loss.py``)."""
-    from .fused_loss import target_capability
-
     @contextlib.contextmanager
     def emulate() -> Iterator[None]:
         with contextlib.ExitStack() as stack:

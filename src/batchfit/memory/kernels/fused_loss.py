@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ...errors import ConfigError
+
 IGNORE_INDEX = -100
 KINDS = ("liger", "cce")
 
@@ -216,8 +218,6 @@ def cce_loss(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, labels: 
     e = hidden_states.to(torch.get_autocast_dtype(hidden_states.device.type)) if _autocast_on(hidden_states) \
         else hidden_states  # fmt: skip
     if e.dtype not in (torch.float16, torch.bfloat16):
-        from ...errors import ConfigError
-
         raise ConfigError(
             f"cut cross-entropy's backward takes 16-bit hidden states, these are {e.dtype}; train with "
             "--precision bf16, fp16 or bf16-true (or use --fused-loss liger)"

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..measure import stderr_silenced
+
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
 _LAYOUTS: dict[str, tuple[Any, tuple[str, ...], list[Any]]] = {}
 """A state's layout by its key: torchao's subclass, its tensor attributes and the rest of its flattening
@@ -58,7 +60,6 @@ def _lowbit_adam_update(
     p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, lr: torch.Tensor, states: list[torch.Tensor],
     layouts: str, beta1: float, beta2: float, weight_decay: float, eps: float, is_adamw: bool, stochastic: bool,
 ) -> None:  # fmt: skip
-    from ..measure import stderr_silenced
 
     with _as_called_from_python(), stderr_silenced():
         _torchao_update(p, grad, step, lr, states, layouts, beta1, beta2, weight_decay, eps, is_adamw, stochastic)

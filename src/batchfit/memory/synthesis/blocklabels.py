@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..trace.tracer import MemoryTrace
+from .stacks import _tensors
 
 __all__ = ["BlockRecorder", "Label", "Labels"]
 
@@ -257,8 +258,6 @@ def block_labels(
 ) -> tuple[dict[str, Label | None], dict[int, Label]]:
     """Labels of the model's modules (as the tracer names them: ``root.path``; None outside the blocks)
     and of the tensors inside the blocks whose paths are ``prefixes``' keys."""
-    from .stacks import _tensors
-
     modules: dict[str, Label | None] = {f"{root}.{name}" if name else root: None for name, _ in model.named_modules()}
     tensors: dict[int, Label] = {}
     for prefix, label in prefixes.items():

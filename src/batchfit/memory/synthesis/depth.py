@@ -52,8 +52,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ...errors import first_line
 from ..trace.tracer import MemoryTrace
+from .blocklabels import BlockRecorder, block_labels
 from .fulldepth import write_full_depth
+from .stackplan import plan_cut, plan_failed
 from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks, synthesis_enabled
 from .sweeps import Irregular
 
@@ -98,8 +101,6 @@ class DepthCut:
 
     def prepare(self, workload: Workload, param_dtype: Any) -> None:
         """Know the model's stacks before it is built, where a build on ``meta`` shows them."""
-        from .stackplan import plan_cut
-
         self.plan = plan_cut(workload, param_dtype)
 
     def building(self) -> contextlib.AbstractContextManager:
@@ -112,15 +113,11 @@ class DepthCut:
 
     def plan_failed(self, workload: Workload, param_dtype: Any) -> None:
         """The build did not go as planned: build this workload's model whole, now and from now on."""
-        from .stackplan import plan_failed
-
         self.plan = None
         plan_failed(workload, param_dtype)
 
     def apply(self, model: nn.Module) -> None:
         """Find ``model``'s stacks (or take the plan's) and cut each to four periods of its blocks."""
-        from .blocklabels import BlockRecorder, block_labels
-
         if self.plan is not None:
             self.stacks, self.reasons = list(self.plan.stacks), list(self.plan.reasons)
         else:
@@ -172,8 +169,6 @@ def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
 
 
 def _why(e: Exception) -> str:
-    from ...errors import first_line
-
     if isinstance(e.__cause__, BlockCalledAfterCut):
         e = e.__cause__
     return f"{type(e).__name__}: {first_line(e)}"

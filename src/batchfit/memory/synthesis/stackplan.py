@@ -25,6 +25,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..cache import Uncacheable, workload_digest
+from ..steps import default_dtype
+from ..trace.construct import fake_construction
 from .stacks import Stack, block_signatures, find_stacks
 
 if TYPE_CHECKING:
@@ -132,8 +135,6 @@ _PLANS: dict[tuple[str, str], CutPlan | None] = {}
 
 
 def _key(workload: Workload, param_dtype: torch.dtype | None) -> tuple[str, str] | None:
-    from ..cache import Uncacheable, workload_digest
-
     try:
         return workload_digest(workload, param_dtype), str(param_dtype)
     except Uncacheable:
@@ -162,9 +163,6 @@ def plan_cut(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | N
 
 
 def _plan(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | None:
-    from ..steps import default_dtype
-    from ..trace.construct import fake_construction
-
     order: dict[int, tuple[type, int]] = {}
     counts: dict[type, int] = {}
     original = nn.Module.__init__

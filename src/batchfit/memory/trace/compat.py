@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import overrides
 from .values import adopt, real_of
 
 
@@ -81,8 +82,6 @@ def fake_kernel_fixes() -> Iterator[None]:
     and CUDA's on recent torch, take fp32 and fp16 too; a fp32 MoE model would fail to trace.
     """
     import torch._meta_registrations as meta_registrations
-
-    from . import overrides
 
     if hasattr(torch.ops.aten, "_grouped_mm"):
         strict = getattr(meta_registrations, "meta_grouped_mm", _grouped_mm_meta)  # torch's own, outside traces

@@ -41,8 +41,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ...batching import map_tensors
 from ...errors import BatchfitError, ConfigError
-from .values import DEFAULT_LIMIT, adopt, forget, real_of
+from .compat import library_compat
+from .values import DEFAULT_LIMIT, FakeValueMode, ValueMode, active_value_mode, adopt, forget, real_of
 
 if TYPE_CHECKING:
     from ...workload import Workload
@@ -218,8 +220,6 @@ def buildable_under_fake_mode() -> Iterator[None]:
     what the session gives construction: value reads answered (``ValueMode``) and fake-safe ``.to()``.
     On real tensors it does nothing either.
     """
-    from .values import ValueMode, active_value_mode
-
     if not isinstance(torch.empty(0), FakeTensor) or active_value_mode() is not None:
         yield
         return
@@ -231,9 +231,6 @@ def buildable_under_fake_mode() -> Iterator[None]:
 def fake_session() -> Iterator[Any]:
     """Fake tensors with value shadows, library compatibility and eager compiled regions; yields the
     ``ValueMode`` (whose notes say what the trace had to assume)."""
-    from .compat import library_compat
-    from .values import FakeValueMode
-
     mode = FakeValueMode()
     # The shadows' random draws come from a forked generator (NOTE [ Reading values during a fake trace ]).
     with library_compat(), eager_compiled_regions(), torch.random.fork_rng(devices=[]), _quiet_meta_failures(), \
@@ -435,8 +432,6 @@ def materialize_lazy(model: nn.Module, workload: Workload, move: Any = None) -> 
         return False
     batch = workload.batch(1)
     if move is not None:
-        from ...batching import map_tensors
-
         batch = map_tensors(batch, move)
     original = UninitializedTensorMixin.materialize
     if isinstance(torch.empty(0), FakeTensor):  # a fake build: the placeholders are real, see _real_placeholder

@@ -23,6 +23,7 @@ from ...workload import model_tensors, optimizer_tensors, trainable_parameters
 from ..categories import Category
 from .flops import op_flops
 from .tracker import RoleBook, StorageTracker, local_tensor
+from .values import active_value_mode
 
 OUTSIDE = "(outside modules)"
 _OP_NAMES: dict[Any, str] = {}
@@ -370,7 +371,6 @@ class Tracer:
         if self._kernels is not None and hasattr(self._kernels, "start"):
             stack.callback(self._kernels.stop)
             self._kernels.start()
-        from .values import active_value_mode
 
         values = active_value_mode()
         if values is not None and values.observer is None:  # one mode for both (see memory/trace/values.py)
