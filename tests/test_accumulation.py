@@ -15,15 +15,10 @@ from batchfit import presets
 from batchfit.gpu.catalog import get_device
 from batchfit.memory.cache import CACHE
 from batchfit.memory.categories import Category
-from batchfit.memory.estimate import (
-    _as_workload,
-    _trace_for_device,
-    finish_estimate,
-    trace_for_device,
-    with_accumulation,
-)
+from batchfit.memory.estimate import _trace_for_device, finish_estimate, trace_for_device, with_accumulation
 from batchfit.memory.synthesis.accumulation import accumulating_trace
 from batchfit.precision import policy_for
+from batchfit.sources import as_workload as _as_workload
 
 A100 = get_device("A100-80GB")
 V100 = get_device("V100-16GB")

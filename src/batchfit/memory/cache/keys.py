@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..._version import __version__
+from ... import _version
 
 if TYPE_CHECKING:
     from ...workload import Workload
@@ -336,7 +336,8 @@ def installed() -> tuple[str, ...]:
     in memory does not read them."""
     import torch
 
-    versions = [__version__, _own_source(), torch.__version__, platform.python_version()]
+    versions = [_version.__version__, _own_source(),  # read when called: a new version is a new key
+                torch.__version__, platform.python_version()]
     versions += [f"{name} {_installed_version(name)}" for name in ("transformers", "peft", "bitsandbytes", "torchao")]
     return tuple(versions)
 
