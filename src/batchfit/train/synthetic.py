@@ -34,6 +34,7 @@ import torch
 
 from ..advice.batchnorm import BatchNormWarning, batchnorm_advice
 from ..errors import ConfigError
+from ..memory.estimate import check_batch_size
 from ..memory.steps import default_dtype
 from ..precision import policy_for
 from ..runtime.simulated import SimulatedDevice
@@ -181,8 +182,8 @@ def train_synthetic(
         >>> [row["micro_batch_sizes"] for row in run.steps]
         [[16, 16, 16, 16], [16, 16, 16, 16]]
     """
-    _whole(global_batch_size, "global_batch_size")
-    _whole(steps, "steps")
+    check_batch_size(global_batch_size, "global_batch_size")
+    check_batch_size(steps, "steps")
     save = check_save_path(save)
     if not isinstance(device, str):
         raise ConfigError(
@@ -331,11 +332,6 @@ def rank_sampler(
     return GlobalBatchSampler(
         steps * global_batch_size, global_batch_size, rank=group, world_size=groups, shuffle=False
     )
-
-
-def _whole(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what} must be a whole number >= 1, got {value!r}")
 
 
 def check_save_path(save: str | Path | None) -> Path | None:
