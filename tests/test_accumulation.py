@@ -18,7 +18,7 @@ from batchfit.memory.categories import Category
 from batchfit.memory.estimate import _trace_for_device, finish_estimate, trace_for_device, with_accumulation
 from batchfit.memory.synthesis.accumulation import accumulating_trace
 from batchfit.precision import policy_for
-from batchfit.sources import as_workload as _as_workload
+from batchfit.sources import as_workload
 
 A100 = get_device("A100-80GB")
 V100 = get_device("V100-16GB")
@@ -80,7 +80,7 @@ def test_the_written_trace_is_the_traced_one_across_the_zoo(name: str) -> None:
     sizes of the batches drawn, and a written micro-batch repeats the plain step's second batch."""
     from zoo import BY_NAME
 
-    plain, real, _, _ = _traces(_as_workload(BY_NAME[name].make()))
+    plain, real, _, _ = _traces(as_workload(BY_NAME[name].make()))
     written = accumulating_trace(plain)
     assert written is not None
     assert canonical(written) == canonical(real)

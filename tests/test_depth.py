@@ -29,7 +29,7 @@ from batchfit.memory.synthesis.stacks import find_stacks
 from batchfit.memory.trace.fake_step import fake_model
 from batchfit.models import hf
 from batchfit.precision import policy_for
-from batchfit.sources import as_workload as _as_workload
+from batchfit.sources import as_workload
 
 A100 = get_device("A100-80GB")
 V100 = get_device("V100-16GB")
@@ -85,7 +85,7 @@ SLOW = {"t5", "whisper", "mamba-ssm", "clip", "bart", "gemma2", "deberta-v2", "l
 
 
 def _zoo(name: str) -> Any:
-    return _as_workload(deeper(BY_NAME[name].make, DEPTH[name])())
+    return as_workload(deeper(BY_NAME[name].make, DEPTH[name])())
 
 
 @pytest.mark.skipif(not hf.available(), reason="the zoo's transformers models need transformers")

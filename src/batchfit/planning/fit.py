@@ -22,7 +22,7 @@ from ..memory.cache import CACHE
 from ..memory.estimate import with_accumulation
 from ..precision import policy_for
 from ..runtime.simulated import SimulatedDevice
-from ..sources import as_workload as _as_workload
+from ..sources import as_workload
 from .budget import device_budget, fit_setting, is_modelled, real_step
 from .known_error import keep_known_errors, table_key
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
@@ -97,7 +97,7 @@ def fit(
     """
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
-    workload = with_accumulation(_as_workload(workload), accumulation_steps)
+    workload = with_accumulation(as_workload(workload), accumulation_steps)
     seq = check_seq_request(workload, maximize, batch_size, seq_multiple, max_batch_size)
     known_error = keep_known_errors(known_error)
 

@@ -28,7 +28,7 @@ from ..memory.cache import CACHE
 from ..memory.estimate import Estimate
 from ..memory.trace.fake_step import fake_model
 from ..memory.trace.tp_plan import degree_error, split_facts
-from ..sources import as_workload as _as_workload
+from ..sources import as_workload
 from ..workload import ParallelLayout, Workload
 from .cost import link_gbps
 from .ladder import _Config, _ladder
@@ -199,7 +199,7 @@ def plan(
         [100, 100, 100]
     """
     _validate(global_batch_size, gpus)
-    wl = _as_workload(workload)
+    wl = as_workload(workload)
     lr = _scaled_lr(wl, global_batch_size, base_lr, base_batch_size, lr_rule)  # before fitting: fail fast
     dev = get_device(device)
     if dev.total_bytes is None:

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..memory.estimate import check_batch_size
 from ..memory.measure import measure_cpu_peak
 from ..memory.steps import loss_for_backward
-from ..sources import as_workload as _as_workload
+from ..sources import as_workload
 from ..workload import trainable_parameters
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def sweep(
         check_batch_size(b, "every swept batch size")
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
-    wl = _as_workload(workload)
+    wl = as_workload(workload)
     on_cuda = target.type == "cuda"
     device = str(target)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)

@@ -23,7 +23,7 @@ from ..memory.trace.fake_step import MemoryTrace
 from ..planning.plan import plan as make_plan
 from ..planning.sweep import sweep
 from ..precision import policy_for
-from ..sources import as_workload as _as_workload
+from ..sources import as_workload
 from .figures import (
     Figure,
     estimates_over_batch_sizes,
@@ -119,7 +119,7 @@ def build_report(
     _require_matplotlib()
     if (base_lr is None) != (base_batch_size is None):
         raise ConfigError("give both --base-lr and --base-batch-size (a learning rate and the batch it was tuned at)")
-    wl = _as_workload(workload)
+    wl = as_workload(workload)
     dev = get_device(device)
     global_batch = DEFAULT_GLOBAL_BATCH_SIZE if global_batch_size is None else global_batch_size
     check_batch_size(global_batch, "the global batch size")
