@@ -22,10 +22,13 @@ from batchfit.memory.categories import Category
 from batchfit.memory.trace.fake_step import fake_model, trace_workload
 from batchfit.memory.trace.tp_plan import degree_error, published_plan, resolve_plan, split_facts
 from batchfit.planning.cost import tensor_parallel_bytes
-from batchfit.planning.ladder import _ladder
+from batchfit.planning.ladder import ladder
 from batchfit.planning.plan import describe_split, plan
 from batchfit.sources import load
-from batchfit.workload import ParallelLayout
+from batchfit.workload import AUTO, ParallelLayout, Setup
+
+CHOOSE = Setup(precision=AUTO, checkpointing=AUTO)
+"""What a plan starts from when nothing is fixed: it chooses the precision and the checkpointing."""
 
 HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}
 """Head counts that degrees 2 and 4 split and 8 does not."""
@@ -111,7 +114,7 @@ def test_a_model_without_a_plan_says_how_to_give_one() -> None:
     wl = own_workload()
     with pytest.raises(ConfigError, match=r"^Net publishes no tensor-parallel plan; pass Workload\(tp_plan="):
         plan(wl, 8, device="A100-40GB", gpus=2, tensor_parallel=2)
-    assert not [c for c in _ladder(get_device("A100-40GB"), 2, None, None, True) if c.tensor_parallel > 1]
+    assert not [c for c in ladder(get_device("A100-40GB"), 2, CHOOSE, True) if c.tensor_parallel > 1]
 
 
 @pytest.mark.parametrize(
@@ -143,16 +146,16 @@ def test_a_users_own_plan_splits_exactly_the_layers_it_names() -> None:
 
 # -- the ladder and the plan ----------------------------------------------------------------------------
 def test_the_ladder_puts_tensor_parallelism_after_checkpointing_each_with_fsdp_across_groups() -> None:
-    ladder = _ladder(get_device("H100-80GB"), 16, None, None, True, tp_degrees=(2, 8))
-    layouts = [(c.precision, c.checkpointing is not None, c.tensor_parallel, c.sequence_parallel) for c in ladder]
-    first_tp = next(i for i, c in enumerate(ladder) if c.tensor_parallel > 1)
-    assert all(c.tensor_parallel == 1 and c.precision != "bf16-true" for c in ladder[:first_tp])
+    rungs = ladder(get_device("H100-80GB"), 16, CHOOSE, True, tp_degrees=(2, 8))
+    layouts = [(c.precision, c.checkpointing is not None, c.tensor_parallel, c.sequence_parallel) for c in rungs]
+    first_tp = next(i for i, c in enumerate(rungs) if c.tensor_parallel > 1)
+    assert all(c.tensor_parallel == 1 and c.precision != "bf16-true" for c in rungs[:first_tp])
     assert layouts[first_tp:first_tp + 4] == [("fp32", False, 2, True), ("fp32", False, 2, False),
                                               ("fp32", False, 8, True), ("fp32", False, 8, False)]  # fmt: skip
-    assert all(c.sharded and c.data_parallel(16) == 16 // c.tensor_parallel for c in ladder if c.tensor_parallel > 1)
-    assert ladder[first_tp].remedies == ("FSDP sharding", "tensor parallel 2 + sequence parallel")
-    assert ladder[-1].precision == "bf16-true"  # a change to the maths stays last
-    only = _ladder(get_device("H100-80GB"), 8, None, None, True, tp_degrees=(8,), sequence_parallel=False)
+    assert all(c.sharded and c.data_parallel(16) == 16 // c.tensor_parallel for c in rungs if c.tensor_parallel > 1)
+    assert rungs[first_tp].remedies == ("FSDP sharding", "tensor parallel 2 + sequence parallel")
+    assert rungs[-1].precision == "bf16-true"  # a change to the maths stays last
+    only = ladder(get_device("H100-80GB"), 8, CHOOSE, True, tp_degrees=(8,), sequence_parallel=False)
     assert {(c.tensor_parallel, c.sequence_parallel, c.sharded) for c in only if c.tensor_parallel > 1} == {
         (8, False, False)  # one group: nothing for FSDP to shard across
     }
@@ -222,7 +225,7 @@ def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> Non
     wl = load(str(llama_config_dir(tmp_path, vocab_size=32000, max_position_embeddings=2048)), seq_len=2048)
     device = get_device("A100-80GB")
     whole = min(
-        fit_estimate_at(wl, device, "fp32", ck, sharded, 2, 1).device_total_bytes
+        fit_estimate_at(wl, device, Setup(checkpointing=ck), sharded, 2, 1).device_total_bytes
         for ck in (None, "blocks") for sharded in (False, True)
     )  # fmt: skip
     split = batchfit.estimate(wl, 1, device=device, parallel=ParallelLayout(2, sequence_parallel=True))

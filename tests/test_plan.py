@@ -23,8 +23,13 @@ from batchfit.gpu.catalog import Device
 from batchfit.memory.synthesis.sharding import unit_of
 from batchfit.models import hf
 from batchfit.planning.fit import fit
-from batchfit.planning.plan import _ladder, describe_split, fit_estimate_at, plan
+from batchfit.planning.ladder import ladder
+from batchfit.planning.plan import describe_split, fit_estimate_at, plan
 from batchfit.train.fsdp import fsdp_units
+from batchfit.workload import AUTO, Setup
+
+CHOOSE = Setup(precision=AUTO, checkpointing=AUTO)
+"""What a plan starts from when nothing is fixed: it chooses the precision and the checkpointing."""
 
 MLP = presets.get("mlp")
 GPT = presets.get("gpt", n_layer=2, n_embd=64, n_head=2, vocab_size=256, seq_len=32)
@@ -172,7 +177,7 @@ def test_plan_to_dict_is_json_with_the_documented_fields() -> None:
 # -- the remedies ladder --------------------------------------------------------------------------------
 def _order(device: str, gpus: int, has_blocks: bool = True) -> list[tuple[str, bool, bool]]:
     return [(c.precision, c.checkpointing is not None, c.sharded)
-            for c in _ladder(get_device(device), gpus, None, None, has_blocks)]  # fmt: skip
+            for c in ladder(get_device(device), gpus, CHOOSE, has_blocks)]  # fmt: skip
 
 
 def test_the_ladder_tries_remedies_cheapest_first() -> None:
@@ -205,7 +210,7 @@ def one_item_bytes(device: Device, rung: tuple[str, bool, bool], gpus: int) -> i
     precision, checkpointing, sharded = rung
     wl = dataclasses.replace(LONG_GPT, accumulation_steps=2)
     ck = "blocks" if checkpointing else None
-    return fit_estimate_at(wl, device, precision, ck, sharded, gpus, 1).device_total_bytes
+    return fit_estimate_at(wl, device, Setup(precision, ck), sharded, gpus, 1).device_total_bytes
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "GradientNoiseScale": ".advice.noise_scale",
     "ParallelLayout": ".workload",
     "Plan": ".planning.plan",
+    "Setup": ".workload",
     "SimulatedDevice": ".runtime.simulated",
     "StepResult": ".train.accumulate",
     "SweepResult": ".planning.sweep",
@@ -58,6 +59,7 @@ __all__ = [
     "GradientNoiseScale",
     "ParallelLayout",
     "Plan",
+    "Setup",
     "SimulatedDevice",
     "StepResult",
     "SweepResult",
@@ -113,4 +115,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .train.accumulate import Accumulator, StepResult
     from .train.synthetic import TrainingRun, train_synthetic
     from .train.trainer import Trainer
-    from .workload import ParallelLayout, Workload
+    from .workload import ParallelLayout, Setup, Workload

@@ -58,9 +58,10 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     Raises:
         ConfigError: blocks were asked for but the workload names none, or the value is not understood.
     """
-    if checkpointing is None or checkpointing is False:
+    checkpointing = checked_checkpointing(checkpointing)
+    if checkpointing is None:
         return ()
-    if checkpointing is True or checkpointing in ("blocks", "reentrant"):
+    if checkpointing in ("blocks", "reentrant"):
         if not [b for b in blocks if b not in _MARKERS]:
             raise ConfigError(
                 "this workload names no blocks to checkpoint; pass checkpointing=[YourBlockClass] "
@@ -69,11 +70,29 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
         if checkpointing == "reentrant":
             return with_reentrant(tuple(blocks), True)
         return tuple(blocks)
-    if isinstance(checkpointing, str):
-        raise ConfigError(
-            f"unknown checkpointing {checkpointing!r}; use 'blocks', 'reentrant' or a list of module classes"
-        )
-    classes = tuple(checkpointing)
+    return checkpointing  # type: ignore[return-value]
+
+
+def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
+    """``value`` in one spelling per meaning (False: None, True: ``"blocks"``, a list: a tuple), checked
+    for its shape (whether a workload has the blocks is checked against it, by ``checkpoint_classes``);
+    ``auto`` also allows ``"auto"`` (a plan's choice).
+
+    Raises:
+        ConfigError: the value is not understood.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "blocks"
+    if isinstance(value, str):
+        if value not in ("blocks", "reentrant", *(("auto",) if auto else ())):
+            raise ConfigError(f"unknown checkpointing {value!r}; use 'blocks', 'reentrant' or a list of module classes")
+        return value
+    try:
+        classes = tuple(value)
+    except TypeError:
+        classes = ()
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise ConfigError("checkpointing must be 'blocks', 'reentrant' or a list of nn.Module classes")
     return classes

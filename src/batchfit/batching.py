@@ -16,6 +16,13 @@ from .errors import ConfigError
 Batch = Any  # torch.Tensor | tuple | list | dict, nested
 
 
+def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
+    """An int >= 1 (a batch size, a count of micro-batches or GPUs), or one clear error naming the fix."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"{what} must be a whole number >= 1, got {batch_size!r}")
+    return batch_size
+
+
 def iter_tensors(batch: Batch) -> Iterator[torch.Tensor]:
     """Every tensor in ``batch``, depth first, in a stable order."""
     if isinstance(batch, torch.Tensor):

@@ -1,11 +1,14 @@
-"""Workload: what one training step runs (model, batch maker, loss, optimizer), as plain values.
+"""Workload: what one training step runs (model, batch maker, loss, optimizer), as plain values; and
+Setup: how the step is run (precision, checkpointing, layout, accumulation, allocator options).
 
 Every stage of batchfit (trace, estimate, fit, plan, sweep, train) takes a Workload, so a user's own
-model and a built-in preset go through exactly the same code.
+model and a built-in preset go through exactly the same code; ``estimate``, ``fit`` and ``plan`` take
+one Setup for everything else a step's memory depends on besides the batch size and the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import Batch
+from .activation_checkpointing import Checkpointing, checked_checkpointing, checkpoint_classes
+from .batching import Batch, check_batch_size
 from .errors import ConfigError
+from .precision import PrecisionPolicy, parse_precision, policy_for
 
 ModelFactory = Callable[[], nn.Module]
 BatchFn = Callable[[int], Batch]
@@ -211,3 +216,114 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         if id(t) not in params:
             seen.setdefault(id(t), t)
     return list(seen.values())
+
+
+AUTO = "auto"
+"""A ``Setup`` field that a search chooses: ``plan`` picks the precision and the checkpointing left so."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How one training step is run: everything its memory depends on besides the workload, the batch
+    size and the GPU.
+
+    One value, checked once, travels from the public functions to the cache keys, instead of five loose
+    keyword arguments through every layer. ``estimate``, ``fit`` and ``plan`` take it as ``setup=`` and
+    keep their keyword arguments as sugar: each one given replaces that field (``Setup.of``).
+
+    Example:
+        >>> s = Setup(precision="bf16", checkpointing="blocks", accumulation_steps=4)
+        >>> s.precision, s.with_fields(precision="fp16").precision
+        ('bf16', 'fp16')
+    """
+
+    precision: str = "fp32"
+    """``fp32``, ``bf16``, ``fp16`` (autocast), ``bf16-true`` or ``bf16-true-autocast``; ``"auto"`` in ``plan``:
+    the cheapest that fits."""
+    checkpointing: Checkpointing = None
+    """None (none), ``"blocks"`` (the workload's blocks; True means the same), ``"reentrant"`` (the same
+    blocks with ``use_reentrant=True``) or module classes; ``"auto"`` in ``plan``: only if nothing fits
+    without it."""
+    accumulation_steps: int | None = None
+    """Micro-batches per optimizer step (None: the workload's own, 1 by default). Above 1 the gradients of
+    the earlier micro-batches are alive through the later ones' forward and backward."""
+    parallel: ParallelLayout | None = None
+    """Tensor / sequence parallelism and FSDP2: the step is one rank's (None: the workload's own layout)."""
+    expandable_segments: bool = False
+    """Model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (no fragmentation between segments)."""
+
+    def __post_init__(self) -> None:
+        if self.precision != AUTO:
+            object.__setattr__(self, "precision", parse_precision(self.precision).value)
+        object.__setattr__(self, "checkpointing", checked_checkpointing(self.checkpointing, auto=True))
+        if self.accumulation_steps is not None:
+            check_batch_size(self.accumulation_steps, "accumulation_steps")
+        if self.parallel is not None:
+            if not isinstance(self.parallel, ParallelLayout):
+                raise ConfigError(f"parallel must be a batchfit.ParallelLayout, got {type(self.parallel).__name__}")
+            check_batch_size(self.parallel.tensor_parallel, "tensor_parallel")
+            check_batch_size(self.parallel.fsdp, "fsdp")
+        if not isinstance(self.expandable_segments, bool):
+            raise ConfigError(f"expandable_segments must be True or False, got {self.expandable_segments!r}")
+
+    @classmethod
+    def of(cls, setup: Setup | None = None, /, **fields: Any) -> Setup:
+        """``setup`` (None: ``Setup()``) with every field given here and not None replaced: the keyword
+        arguments of ``estimate``, ``fit`` and ``plan`` as sugar for their ``setup``."""
+        if setup is None:
+            setup = cls()
+        elif not isinstance(setup, Setup):
+            raise ConfigError(f"setup must be a batchfit.Setup, got {type(setup).__name__}")
+        return setup.with_fields(**fields)
+
+    def with_fields(self, **fields: Any) -> Setup:
+        """This setup with the fields given (not None) replaced."""
+        changes = {name: value for name, value in fields.items() if value is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def concrete(self, what: str) -> Setup:
+        """This setup, checked to choose nothing: ``what`` (``"an estimate"``) runs one step as written.
+
+        Raises:
+            ConfigError: a field is ``"auto"``.
+        """
+        for name in ("precision", "checkpointing"):
+            if getattr(self, name) == AUTO:
+                example = "bf16" if name == "precision" else "blocks"
+                raise ConfigError(f"{what} runs one step as written and does not choose {name}: give it "
+                                  f"(e.g. {name}={example}), or use batchfit.plan")  # fmt: skip
+        return self
+
+    def policy(self, device: Any) -> PrecisionPolicy:
+        """The precision policy on ``device`` (a ``batchfit.Device``).
+
+        Raises:
+            ConfigError: bf16 on a GPU without it (V100, T4).
+        """
+        return policy_for(self.precision, bf16_supported=device.bf16 or device.exact, device_name=device.name)
+
+    def classes(self, workload: Workload) -> tuple[type, ...]:
+        """The module classes checkpointed in ``workload`` (``batchfit.activation_checkpointing``).
+
+        Raises:
+            ConfigError: blocks asked of a workload that names none.
+        """
+        return checkpoint_classes(self.checkpointing, workload.checkpoint_blocks)
+
+    def key(self, workload: Workload) -> tuple[Any, ...]:
+        """What an answer about ``workload`` run so depends on, resolved against it (the classes the
+        checkpointing names, its accumulation and layout): for cache keys, where two spellings of one
+        setup must meet."""
+        workload = self.workload(workload)
+        return (self.precision, self.classes(workload), workload.accumulation_steps, workload.parallel,
+                self.expandable_segments)  # fmt: skip
+
+    def workload(self, workload: Workload) -> Workload:
+        """``workload`` as this setup runs it: its accumulation steps and layout set where given."""
+        changes: dict[str, Any] = {}
+        if self.accumulation_steps is not None and self.accumulation_steps != workload.accumulation_steps:
+            changes["accumulation_steps"] = self.accumulation_steps
+        if self.parallel is not None:
+            changes["parallel"] = self.parallel if self.parallel.world_size > 1 else None
+        return dataclasses.replace(workload, **changes) if changes else workload
+

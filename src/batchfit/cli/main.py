@@ -120,7 +120,7 @@ def estimate(
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one training step: breakdown at the peak, top modules, headroom."""
-    from ..memory.estimate import check_batch_size
+    from ..batching import check_batch_size
     from ..planning.estimate import estimate as run_estimate
 
     check_batch_size(batch_size, "--batch-size")
@@ -200,7 +200,7 @@ def fit_command(
 ) -> None:
     """Find the largest micro-batch that fits on a device (or the longest sequence at a batch), in a handful of
     traced steps."""
-    from ..memory.estimate import check_batch_size
+    from ..batching import check_batch_size
     from ..planning.fit import fit
 
     check_batch_size(accumulation_steps, "--accumulation-steps")

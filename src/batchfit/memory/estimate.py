@@ -20,9 +20,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..batching import check_batch_size
 from ..gpu.catalog import Device
-from ..workload import ParallelLayout
 from .allocator.caching import replay, round_size
 from .analytic import analytic_estimate
 from .cache import CACHE, Uncacheable, trace_key
@@ -240,13 +239,6 @@ def paged_bytes(trace: MemoryTrace) -> int:
     return most
 
 
-def check_batch_size(batch_size: Any, what: str = "batch size") -> int:
-    """An int >= 1, or one clear error naming the fix."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"{what} must be a whole number >= 1, got {batch_size!r}")
-    return batch_size
-
-
 @full_collections_deferred
 def trace_for_device(
     workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
@@ -354,15 +346,3 @@ def with_accumulation(workload: Workload, accumulation_steps: Any) -> Workload:
 
     return dataclasses.replace(workload, accumulation_steps=check_batch_size(accumulation_steps, "accumulation_steps"))
 
-
-def with_layout(workload: Workload, layout: Any) -> Workload:
-    """``workload`` as one rank of ``layout`` runs it (checked: whole numbers >= 1); None keeps its own."""
-    if layout is None:
-        return workload
-    import dataclasses
-
-    if not isinstance(layout, ParallelLayout):
-        raise ConfigError(f"parallel must be a batchfit.ParallelLayout, got {type(layout).__name__}")
-    check_batch_size(layout.tensor_parallel, "tensor_parallel")
-    check_batch_size(layout.fsdp, "fsdp")
-    return dataclasses.replace(workload, parallel=layout if layout.world_size > 1 else None)

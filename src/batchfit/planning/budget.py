@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..activation_checkpointing import checkpoint_classes
 from ..errors import ConfigError
 from ..gpu.catalog import Device, get_device
 from ..gpu.real_gpu import cuda_device
 from ..memory.steps import build_for_steps, run_workload_steps
-from ..precision import PrecisionPolicy, policy_for
+from ..precision import PrecisionPolicy
 from ..runtime.cuda_steps import cuda_step_fits
 from ..runtime.simulated import SimulatedDevice
-
-if TYPE_CHECKING:
-    from ..workload import Workload
+from ..workload import Setup, Workload
 
 
 def is_modelled(device: Any) -> bool:
@@ -53,13 +50,12 @@ def device_budget(device: str | Device | SimulatedDevice, margin: float) -> tupl
 
 
 def fit_setting(
-    workload: Workload, device: str | Device | SimulatedDevice, margin: float, precision: str, checkpointing: Any
+    workload: Workload, device: str | Device | SimulatedDevice, margin: float, setup: Setup
 ) -> tuple[Device, int, PrecisionPolicy, tuple[type, ...]]:
-    """What a search of ``workload`` on ``device`` runs against: the device, its budget, the precision
-    policy and the checkpointed classes."""
+    """What a search of ``workload`` on ``device`` runs against: the device, its budget, and ``setup``'s
+    precision policy and checkpointed classes there."""
     dev, budget = device_budget(device, margin)
-    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
-    return dev, budget, policy, checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    return dev, budget, setup.policy(dev), setup.classes(workload)
 
 
 def real_step(

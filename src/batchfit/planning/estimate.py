@@ -7,23 +7,12 @@ sits above both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from ..activation_checkpointing import checkpoint_classes
+from ..activation_checkpointing import Checkpointing
+from ..batching import check_batch_size
 from ..gpu.catalog import Device, get_device
-from ..memory.estimate import (
-    Estimate,
-    check_batch_size,
-    finish_estimate,
-    trace_for_device,
-    with_accumulation,
-    with_layout,
-)
-from ..precision import policy_for
+from ..memory.estimate import Estimate, finish_estimate, trace_for_device
 from ..sources import as_workload
-
-if TYPE_CHECKING:
-    from ..workload import Workload
+from ..workload import ParallelLayout, Setup, Workload
 
 
 def estimate(
@@ -31,11 +20,12 @@ def estimate(
     batch_size: int,
     *,
     device: str | Device = "cpu",
-    precision: str = "fp32",
-    checkpointing: Any = None,
-    expandable_segments: bool = False,
+    setup: Setup | None = None,
+    precision: str | None = None,
+    checkpointing: Checkpointing = None,
+    expandable_segments: bool | None = None,
     accumulation_steps: int | None = None,
-    parallel: Any = None,
+    parallel: ParallelLayout | None = None,
 ) -> Estimate:
     """Estimate the memory of one training step of ``workload`` at ``batch_size`` on ``device``.
 
@@ -48,8 +38,12 @@ def estimate(
         batch_size: items in the step's batch.
         device: a catalog GPU (``"A100-40GB"``), a capacity (``"24GiB"``), ``"cpu"`` or a ``Device``.
             On ``"cpu"`` the peak is the exact number of bytes the CPU allocator holds.
+        setup: how the step is run (``batchfit.Setup``: precision, checkpointing, accumulation, layout,
+            allocator options); None: ``Setup()``, fp32 with none of them. Each keyword below that is given
+            (not None) replaces that field of it.
         precision: ``fp32``, ``bf16``, ``fp16`` (autocast), ``bf16-true`` or ``bf16-true-autocast``.
-        checkpointing: None, ``"blocks"`` (the workload's blocks) or a list of module classes.
+        checkpointing: None, ``"blocks"`` (the workload's blocks) or a list of module classes; False turns
+            off a setup's.
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         accumulation_steps: micro-batches of ``batch_size`` per optimizer step (None: the workload's,
             1 by default). Above 1 the gradients of earlier micro-batches are alive through the
@@ -73,10 +67,12 @@ def estimate(
     Limitations:
         See the module docstring: the context, cuDNN workspaces, other processes, compiled regions.
     """
-    workload = with_layout(with_accumulation(as_workload(workload), accumulation_steps), parallel)
+    workload = as_workload(workload)
+    setup = Setup.of(setup, precision=precision, checkpointing=checkpointing, expandable_segments=expandable_segments,
+                     accumulation_steps=accumulation_steps, parallel=parallel).concrete("an estimate")  # fmt: skip
+    workload = setup.workload(workload)
     batch_size = check_batch_size(batch_size)
     dev = get_device(device)
-    policy = policy_for(precision, bf16_supported=dev.bf16 or dev.exact, device_name=dev.name)
-    classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
+    policy, classes = setup.policy(dev), setup.classes(workload)
     trace = trace_for_device(workload, batch_size, dev, policy, classes)
-    return finish_estimate(trace, workload, batch_size, dev, policy, classes, expandable_segments)
+    return finish_estimate(trace, workload, batch_size, dev, policy, classes, setup.expandable_segments)

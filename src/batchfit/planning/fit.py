@@ -13,23 +13,19 @@ batch, which ``planning/seqlen.py`` answers the same way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..activation_checkpointing import checkpoint_classes
+from ..activation_checkpointing import Checkpointing
 from ..errors import ConfigError
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
-from ..memory.estimate import with_accumulation
-from ..precision import policy_for
 from ..runtime.simulated import SimulatedDevice
 from ..sources import as_workload
+from ..workload import ParallelLayout, Setup, Workload
 from .budget import device_budget, fit_setting, is_modelled, real_step
 from .known_error import keep_known_errors, table_key
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
 from .seqlen import check_seq_request, fit_seq_len
-
-if TYPE_CHECKING:
-    from ..workload import Workload
 
 __all__ = ["FitAttempt", "FitResult", "fit"]
 
@@ -37,13 +33,15 @@ def fit(
     workload: Workload | str,
     device: str | Device | SimulatedDevice,
     *,
-    precision: str = "fp32",
-    checkpointing: Any = None,
+    setup: Setup | None = None,
+    precision: str | None = None,
+    checkpointing: Checkpointing = None,
     margin: float = 0.0,
-    expandable_segments: bool = False,
+    expandable_segments: bool | None = None,
     shard_over: int = 1,
     verify: bool = True,
     accumulation_steps: int | None = None,
+    parallel: ParallelLayout | None = None,
     max_batch_size: int | None = None,
     maximize: str = "batch_size",
     batch_size: int | None = None,
@@ -58,6 +56,9 @@ def fit(
         device: a catalog GPU or capacity (traced, exact against the allocator model), a
             ``SimulatedDevice`` (traced search, verified with real steps inside it), or ``"cuda"``
             (traced search, verified with real steps on the GPU).
+        setup: how the step is run (``batchfit.Setup``); None: ``Setup()``. Each of ``precision``,
+            ``checkpointing``, ``expandable_segments``, ``accumulation_steps`` and ``parallel`` that is given
+            (not None) replaces that field of it.
         precision: ``fp32``, ``bf16``, ``fp16``, ``bf16-true`` or ``bf16-true-autocast``.
         checkpointing: None, ``"blocks"`` or a list of module classes.
         margin: fraction of the device's memory to leave free (0.1 keeps 10% in reserve).
@@ -67,6 +68,7 @@ def fit(
             drawn through two traces (two trials instead of four; used for a plan's alternatives).
         accumulation_steps: micro-batches per optimizer step (None: the workload's, 1 by default);
             above 1, the micro-batch must fit with the earlier micro-batches' gradients alive.
+        parallel: a ``ParallelLayout``: fit one rank of it (None: the workload's own).
         max_batch_size: look no further than this (a plan needs no micro-batch above a rank's share);
             ``FitResult.capped`` then says the search stopped there.
         maximize: ``"batch_size"`` (the largest micro-batch) or ``"seq_len"``: the longest sequence
@@ -97,47 +99,46 @@ def fit(
     """
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
-    workload = with_accumulation(as_workload(workload), accumulation_steps)
+    workload = as_workload(workload)
+    setup = Setup.of(setup, precision=precision, checkpointing=checkpointing, expandable_segments=expandable_segments,
+                     accumulation_steps=accumulation_steps, parallel=parallel).concrete("a fit")  # fmt: skip
+    workload = setup.workload(workload)
     seq = check_seq_request(workload, maximize, batch_size, seq_multiple, max_batch_size)
     known_error = keep_known_errors(known_error)
 
     def run() -> FitResult:
         if seq:
-            return fit_seq_len(workload, device, batch_size, seq_multiple, precision, checkpointing, margin,  # type: ignore[arg-type]
-                               expandable_segments, shard_over, verify, progress, known_error)  # fmt: skip
-        return _fit(workload, device, precision, checkpointing, margin, expandable_segments, shard_over, verify,
-                    max_batch_size, progress, known_error)  # fmt: skip
+            return fit_seq_len(workload, device, batch_size, seq_multiple, setup, margin, shard_over, verify,  # type: ignore[arg-type]
+                               progress, known_error)  # fmt: skip
+        return _fit(workload, device, setup, margin, shard_over, verify, max_batch_size, progress, known_error)
 
     if not is_modelled(device):
         return run()
     # A modelled device: the answer is a function of the workload and these settings alone.
 
     dev = device_budget(device, margin)[0]  # type: ignore[arg-type]
-    blocks = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-    settings: tuple[Any, ...] = (precision, blocks, margin, expandable_segments, shard_over, verify, max_batch_size,
-                                 workload.accumulation_steps, known_error and table_key())  # fmt: skip
+    policy = setup.policy(dev)
+    settings: tuple[Any, ...] = (setup.key(workload), margin, shard_over, verify, max_batch_size,
+                                 known_error and table_key())  # fmt: skip
     if seq:  # the answer depends on how the workload is rebuilt at each length
         settings += ("seq_len", batch_size, seq_multiple, workload.at_seq_len, workload.max_seq_len)
-    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
     return CACHE.device_fact("fit", workload, dev, policy.param_dtype, run, extra=settings)
 
 
 def _fit(
     workload: Workload,
     device: str | Device | SimulatedDevice,
-    precision: str,
-    checkpointing: Any,
+    setup: Setup,
     margin: float,
-    expandable_segments: bool,
     shard_over: int,
     verify: bool,
     max_batch_size: int | None,
     progress: Callable[[str], None] | None,
     known_error: bool = True,
 ) -> FitResult:
-    dev, budget, policy, classes = fit_setting(workload, device, margin, precision, checkpointing)
+    dev, budget, policy, classes = fit_setting(workload, device, margin, setup)
     step = real_step(device, budget, policy, classes)
-    search = _Search(workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
+    search = _Search(workload, dev, policy, classes, budget, expandable_segments=setup.expandable_segments,
                      reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over,
                      keep_known_error=known_error and step is None)  # fmt: skip
     search.progress = progress

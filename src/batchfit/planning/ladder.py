@@ -7,10 +7,12 @@ cost ] below. Nothing here traces or fits: a configuration is a value.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
+from ..activation_checkpointing import Checkpointing
 from ..gpu.catalog import Device
+from ..workload import AUTO, ParallelLayout, Setup
 
 # NOTE [ Remedies ranked by what they cost ]
 # Accumulation is free for the maths, so every configuration first splits the global batch into
@@ -27,9 +29,11 @@ _RANK = {"autocast": 1, "sharding": 2, "checkpointing": 3, "tensor parallel": 4,
 
 
 @dataclass(frozen=True)
-class _Config:
-    precision: str
-    checkpointing: Any
+class Rung:
+    """One configuration of the ladder: how each rank's step is run (its ``Setup``: precision and
+    checkpointing), whether FSDP shards it, its tensor-parallel layout, and what those remedies cost."""
+
+    setup: Setup
     sharded: bool
     remedies: tuple[str, ...]
     cost: tuple[int, ...]
@@ -41,6 +45,14 @@ class _Config:
     widest_sp: bool = False
     """Whether the ladder's layouts include sequence parallelism (the most split ones do then)."""
 
+    @property
+    def precision(self) -> str:
+        return self.setup.precision
+
+    @property
+    def checkpointing(self) -> Checkpointing:
+        return self.setup.checkpointing
+
     def data_parallel(self, gpus: int) -> int:
         """Ranks that take different items of the global batch: the tensor-parallel groups."""
         return gpus // self.tensor_parallel
@@ -50,32 +62,33 @@ class _Config:
         alone; under tensor parallelism one rank's step, FSDP included, is traced instead."""
         return gpus if self.sharded and self.tensor_parallel == 1 else 1
 
-    def layout(self, gpus: int) -> Any:
+    def layout(self, gpus: int) -> ParallelLayout | None:
         """The ``ParallelLayout`` one rank of this configuration is traced in (None: no tensor parallelism)."""
         if self.tensor_parallel <= 1:
             return None
-        from ..workload import ParallelLayout
-
         return ParallelLayout(self.tensor_parallel, self.sequence_parallel, fsdp=self.data_parallel(gpus))
 
 
-def _ladder(
-    device: Device, gpus: int, precision: str | None, checkpointing: Any, has_blocks: bool,
-    tp_degrees: tuple[int, ...] = (), sequence_parallel: bool | None = None,
-) -> list[_Config]:  # fmt: skip
+def ladder(
+    device: Device, gpus: int, setup: Setup, has_blocks: bool, tp_degrees: tuple[int, ...] = (),
+    sequence_parallel: bool | None = None,
+) -> list[Rung]:  # fmt: skip
     """Every configuration the plan may choose, cheapest remedies first (NOTE above).
 
-    ``tp_degrees``: the tensor-parallel degrees to try (each divides the model's heads, a node and the
-    GPUs); ``sequence_parallel`` fixes sequence parallelism for them (None: with it, then without).
+    ``setup``'s precision and checkpointing are chosen where they are ``"auto"`` and fixed otherwise; its
+    other fields hold on every rung. ``tp_degrees``: the tensor-parallel degrees to try (each divides the
+    model's heads, a node and the GPUs); ``sequence_parallel`` fixes sequence parallelism for them (None:
+    with it, then without).
     """
     low = "bf16" if device.bf16 else "fp16"
     precisions = ["fp32", low] + (["bf16-true"] if device.bf16 else [])
-    if precision is not None:
-        precisions = [precision]
-    if checkpointing is None:
-        ck_options: list[Any] = [None] + (["blocks"] if has_blocks else [])
+    chosen = setup.precision == AUTO
+    if not chosen:
+        precisions = [setup.precision]
+    if setup.checkpointing == AUTO:
+        ck_options: list[Checkpointing] = [None] + (["blocks"] if has_blocks else [])
     else:
-        ck_options = [checkpointing or None]
+        ck_options = [setup.checkpointing]
     layouts: list[tuple[int, bool, bool]] = [(1, False, False)] + ([(1, False, True)] if gpus > 1 else [])
     sp_options = [True, False] if sequence_parallel is None else [bool(sequence_parallel)]
     layouts += [(d, sp, gpus > d) for d in tp_degrees for sp in sp_options]
@@ -84,7 +97,7 @@ def _ladder(
         for ck in ck_options:
             for degree, sp, sharded in layouts:
                 used: list[tuple[int, str]] = []
-                if precision is not None:  # the user's own precision: not a remedy the plan applied
+                if not chosen:  # the user's own precision: not a remedy the plan applied
                     pass
                 elif prec == "bf16-true":
                     used.append((_RANK["bf16-true"], "bf16 weights and optimizer states"))
@@ -100,7 +113,8 @@ def _ladder(
                 remedies = tuple(name for _, name in used)
                 cost = tuple(sorted((r for r, _ in used), reverse=True))
                 widest = max(tp_degrees, default=1)
-                configs.append(_Config(prec, ck, sharded, remedies, cost, degree, sp, widest, True in sp_options))
+                rung_setup = dataclasses.replace(setup, precision=prec, checkpointing=ck)
+                configs.append(Rung(rung_setup, sharded, remedies, cost, degree, sp, widest, True in sp_options))
     return sorted(configs, key=lambda c: (c.cost, c.tensor_parallel, not c.sequence_parallel))
 
 
@@ -112,10 +126,8 @@ def _ladder(
 # tensor-parallel layout is fitted, the most split one of its precision and checkpointing (the widest
 # degree, with sequence parallelism where the ladder has it) is traced at one item: when even that does
 # not fit, none of them does, and the others are skipped untraced. A layout that passes is fitted as usual.
-def most_split(config: _Config) -> _Config:
+def most_split(config: Rung) -> Rung:
     """The most split tensor-parallel layout with ``config``'s precision and checkpointing."""
-    import dataclasses
-
     return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=config.widest_sp)
 
 

@@ -15,7 +15,7 @@ from ..gpu.catalog import Device, catalog
 from ..memory.cache import CACHE
 from ..memory.trace.fake_step import fake_model
 from .fit import fit
-from .ladder import _Config
+from .ladder import Rung
 from .options import fit_estimate_at
 
 if TYPE_CHECKING:
@@ -50,17 +50,18 @@ def with_article(name: str) -> str:
     return f"{'an' if vowel else 'a'} {name}"
 
 
-def _nothing_fits(wl: Workload, dev: Device, gpus: int, rungs: list[_Config]) -> DoesNotFitError:
+def _nothing_fits(wl: Workload, dev: Device, gpus: int, rungs: list[Rung]) -> DoesNotFitError:
     """One line naming where it would fit: the smallest catalog GPU, or enough GPUs to shard over."""
     unsharded = [r for r in rungs if not r.sharded and r.tensor_parallel == 1] or rungs
-    prec, ck = unsharded[-1].precision, unsharded[-1].checkpointing
+    setup = unsharded[-1].setup
+    prec, ck = setup.precision, setup.checkpointing
     where = []
     for other in catalog():
         if (other.total_bytes or 0) <= (dev.total_bytes or 0):
             continue
         p = prec if (other.bf16 or prec in ("fp32", "fp16")) else "fp16"
         try:
-            fit(wl, other, precision=p, checkpointing=ck, verify=False)
+            fit(wl, other, setup=setup.with_fields(precision=p), verify=False)
         except DoesNotFitError:
             continue
         where.append(f"{with_article(other.name)} ({p}{' + checkpointing' if ck else ''})")
@@ -69,7 +70,7 @@ def _nothing_fits(wl: Workload, dev: Device, gpus: int, rungs: list[_Config]) ->
         if n <= gpus:
             continue
         try:
-            fit(wl, dev, precision=prec, checkpointing=ck, shard_over=n, verify=False)
+            fit(wl, dev, setup=setup, shard_over=n, verify=False)
         except DoesNotFitError:
             continue
         where.append(f"{n} x {dev.name} with FSDP sharding (--gpus {n})")
@@ -86,11 +87,11 @@ def _nothing_fits(wl: Workload, dev: Device, gpus: int, rungs: list[_Config]) ->
     )
 
 
-def _fewest_items(wl: Workload, dev: Device, rung: _Config) -> tuple[str, str]:
+def _fewest_items(wl: Workload, dev: Device, rung: Rung) -> tuple[str, str]:
     """"one item", or "two items" and why when a step of one item cannot run at all (BatchNorm after a
     global pooling needs two values per channel): the fits then tried two, and the message says so."""
     try:
-        fit_estimate_at(wl, dev, rung.precision, rung.checkpointing, False, gpus=1, batch_size=1)
+        fit_estimate_at(wl, dev, rung.setup, False, gpus=1, batch_size=1)
     except TraceError as e:
         return "two items", f"; a step of one item cannot run: {e}"
     return "one item", ""

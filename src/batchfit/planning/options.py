@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..activation_checkpointing import checkpoint_classes
 from ..batching import make_splits
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device
@@ -22,13 +21,10 @@ from ..memory.estimate import Estimate, cached_trace, finish_estimate, trace_for
 from ..memory.states import state_bytes
 from ..memory.synthesis.scaling import TraceLine
 from ..memory.synthesis.sharding import shard_trace
-from ..precision import policy_for
+from ..workload import Setup, Workload
 from .cost import predict_step_time
 from .fit import FitResult, fit
-from .ladder import _Config, most_split
-
-if TYPE_CHECKING:
-    from ..workload import Workload
+from .ladder import Rung, most_split
 
 
 @dataclass(frozen=True)
@@ -63,23 +59,22 @@ def _by_time(option: PlanOption) -> float:
 
 @dataclass
 class _Fitted:
-    config: _Config
+    config: Rung
     result: FitResult
     workload: Workload
 
 
-def _could_fit(wl: Workload, dev: Device, config: _Config, gpus: int, budget: int) -> bool:
+def _could_fit(wl: Workload, dev: Device, config: Rung, gpus: int, budget: int) -> bool:
     """False when the model's state alone (no activations, no batch) exceeds the GPU: no trace needed."""
-    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
     try:
-        states = state_bytes(wl, policy.param_dtype)
+        states = state_bytes(wl, config.setup.policy(dev).param_dtype)
     except TraceError:  # an optimizer that cannot step on zero gradients: no bound; its fit will say why
         return True
     held = states.sharded(gpus) if config.sharded or config.tensor_parallel > 1 else states.total
     return held + dev.context_bytes <= budget
 
 
-def config_workload(wl: Workload, config: _Config, gpus: int) -> Workload:
+def config_workload(wl: Workload, config: Rung, gpus: int) -> Workload:
     """``wl`` as one rank of ``config`` runs it: its ``ParallelLayout`` set under tensor parallelism."""
     layout = config.layout(gpus)
     if layout is None:
@@ -90,7 +85,7 @@ def config_workload(wl: Workload, config: _Config, gpus: int) -> Workload:
 
 
 def _fit_config(
-    wl: Workload, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
+    wl: Workload, dev: Device, config: Rung, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Any = None,
 ) -> _Fitted | None:  # fmt: skip
     """The largest micro-batch (at most the share) of one configuration, or None when none fits.
@@ -98,7 +93,7 @@ def _fit_config(
     Kept with the traces (the fit, and the whole-share estimate beside it), so that a repeated plan
     traces nothing and replays no allocator.
     """
-    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+    policy = config.setup.policy(dev)
     settings = (config, gpus, share, margin, verify, wl.accumulation_steps)
 
     def compute() -> tuple[FitResult | None, bool]:
@@ -112,15 +107,15 @@ def _fit_config(
 
 
 def _fit_config_uncached(
-    wl: Workload, dev: Device, config: _Config, gpus: int, share: int, margin: float, *, verify: bool,
+    wl: Workload, dev: Device, config: Rung, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Any = None,
 ) -> _Fitted | None:  # fmt: skip
     if config.tensor_parallel > 1 and not one_item_fits(wl, dev, most_split(config), gpus, margin, progress):
         return None  # NOTE [ The most split layout first ]
     wl = config_workload(wl, config, gpus)
     shards = config.arithmetic_shards(gpus)
-    kwargs = dict(precision=config.precision, checkpointing=config.checkpointing, margin=margin,
-                  shard_over=shards, verify=verify, max_batch_size=share, progress=progress)  # fmt: skip
+    kwargs = dict(setup=config.setup, margin=margin, shard_over=shards, verify=verify, max_batch_size=share,
+                  progress=progress)  # fmt: skip
     if share == 1 or wl.accumulation_steps > 1:
         try:
             return _Fitted(config, fit(wl, dev, **kwargs), wl)
@@ -140,36 +135,34 @@ def _fit_config_uncached(
     # may (the plan's own configuration with 10% to spare), from the trace the accumulating step at the
     # share was written from if the search looked there, else one more trace.
     if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
-        ck = config.checkpointing
         announce = None if progress is None else lambda: progress(f"tracing a step of {share} items as one micro-batch")
-        whole = fit_estimate_at(wl, dev, config.precision, ck, shards > 1, gpus=shards, batch_size=share,
-                                announce=announce)  # fmt: skip
+        whole = fit_estimate_at(wl, dev, config.setup, shards > 1, gpus=shards, batch_size=share, announce=announce)
         if whole.device_total_bytes <= result.capacity_bytes:
             return _Fitted(config, dataclasses.replace(result, max_batch_size=share, estimate=whole), wl)
     return None if result is None else _Fitted(config, result, accumulating)
 
 
-def one_item_fits(wl: Workload, dev: Device, config: _Config, gpus: int, margin: float, progress: Any = None) -> bool:
+def one_item_fits(wl: Workload, dev: Device, config: Rung, gpus: int, margin: float, progress: Any = None) -> bool:
     """Whether one rank of ``config`` fits a step of one item (one trace, kept with the others)."""
     budget = int((dev.total_bytes or 0) * (1 - margin))
     announce = None if progress is None else lambda: progress(
         f"tracing a step of 1 item as {', '.join(config.remedies)}, the most split layout"
     )  # fmt: skip
-    est = fit_estimate_at(config_workload(wl, config, gpus), dev, config.precision, config.checkpointing, False, 1,
-                          batch_size=1, announce=announce)  # fmt: skip
+    est = fit_estimate_at(config_workload(wl, config, gpus), dev, config.setup, False, 1, batch_size=1,
+                          announce=announce)  # fmt: skip
     return est.device_total_bytes <= budget
 
 
 def _may_fit_whole(
-    result: FitResult, wl: Workload, dev: Device, config: _Config, share: int, shards: int, *, generous: bool
+    result: FitResult, wl: Workload, dev: Device, config: Rung, share: int, shards: int, *, generous: bool
 ) -> bool:
     """Whether the plain step of the whole share could fit although the accumulating step at the share
     does not, predicted from the plain steps the accumulating ones were written from where the cache has
     them (``memory/synthesis/accumulation.py``; else from the accumulating step less its gradients, alive in it
     only), with an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
-    policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
+    policy = config.setup.policy(dev)
     plain = with_accumulation(wl, 1)
-    classes = checkpoint_classes(config.checkpointing, wl.checkpoint_blocks)
+    classes = config.setup.classes(wl)
     known = {b: cached_trace(plain, b, dev, policy, classes) for b in sorted(result.traces)[-2:]}
     trace, slack = None, 20 << 20  # one segment
     if len(known) == 2 and all(t is not None for t in known.values()):
@@ -185,7 +178,7 @@ def _may_fit_whole(
         slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards)
     if shards > 1:
         trace = shard_trace(trace, shards)
-    est = finish_estimate(trace, plain, share, dev, policy, classes)
+    est = finish_estimate(trace, plain, share, dev, policy, classes, config.setup.expandable_segments)
     if generous:
         slack += result.capacity_bytes // 10
     return est.device_total_bytes - result.capacity_bytes <= slack
@@ -200,8 +193,7 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
     trace = result.trace_at(micro)
     seconds = None
     if trace is not None:
-        policy = policy_for(config.precision, bf16_supported=dev.bf16, device_name=dev.name)
-        states = state_bytes(fitted.workload, policy.param_dtype)
+        states = state_bytes(fitted.workload, config.setup.policy(dev).param_dtype)
         seconds = predict_step_time(
             trace, dev, precision=config.precision, micro_batches=steps, gpus=gpus, sharded=config.sharded,
             interconnect=interconnect, state_bytes=states.as_tuple(), tensor_parallel=config.tensor_parallel,
@@ -224,7 +216,7 @@ def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, int
     )
 
 
-def plan_splits(config: _Config, global_batch_size: int, gpus: int, micro_batch_size: int) -> list[list[int]]:
+def plan_splits(config: Rung, global_batch_size: int, gpus: int, micro_batch_size: int) -> list[list[int]]:
     """Micro-batch sizes per data-parallel rank (a tensor-parallel group is one: its ranks run the same
     items); every rank runs as many micro-batches under FSDP, whose every micro-batch is a collective."""
     same = config.sharded or config.tensor_parallel > 1
@@ -232,19 +224,18 @@ def plan_splits(config: _Config, global_batch_size: int, gpus: int, micro_batch_
 
 
 def fit_estimate_at(
-    wl: Workload, dev: Device, precision: str, checkpointing: Any, sharded: bool, gpus: int, batch_size: int,
-    announce: Any = None,
-) -> Estimate:  # fmt: skip
+    wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, batch_size: int, announce: Any = None
+) -> Estimate:
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
     that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
-    policy = policy_for(precision, bf16_supported=dev.bf16, device_name=dev.name)
-    classes = checkpoint_classes(checkpointing, wl.checkpoint_blocks)
+    wl = setup.workload(wl)
+    policy, classes = setup.policy(dev), setup.classes(wl)
 
     def compute() -> Estimate:
         trace = trace_for_device(wl, batch_size, dev, policy, classes, announce)
         if sharded:
             trace = shard_trace(trace, gpus)
-        return finish_estimate(trace, wl, batch_size, dev, policy, classes)
+        return finish_estimate(trace, wl, batch_size, dev, policy, classes, setup.expandable_segments)
 
-    settings = (precision, classes, sharded, gpus, batch_size, wl.accumulation_steps)
+    settings = (setup.key(wl), sharded, gpus, batch_size)
     return CACHE.device_fact("estimate-at", wl, dev, policy.param_dtype, compute, extra=settings)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..activation_checkpointing import Checkpointing
 from ..advice.lr import lr_scaling
 from ..batching import rank_shares
 from ..errors import ConfigError, TraceError
@@ -29,9 +30,9 @@ from ..memory.estimate import Estimate
 from ..memory.trace.fake_step import fake_model
 from ..memory.trace.tp_plan import degree_error, split_facts
 from ..sources import as_workload
-from ..workload import ParallelLayout, Workload
+from ..workload import AUTO, ParallelLayout, Setup, Workload
 from .cost import link_gbps
-from .ladder import _Config, _ladder
+from .ladder import Rung, ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
 from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
 from .workers import fit_ahead, resolve_workers
@@ -150,8 +151,9 @@ def plan(
     *,
     device: str | Device,
     gpus: int = 1,
+    setup: Setup | None = None,
     precision: str | None = None,
-    checkpointing: Any = None,
+    checkpointing: Checkpointing = None,
     margin: float = 0.0,
     base_lr: float | None = None,
     base_batch_size: int | None = None,
@@ -165,7 +167,12 @@ def plan(
 ) -> Plan:
     """Plan ``global_batch_size`` items per optimizer step on ``gpus`` GPUs of ``device``.
 
-    With ``precision`` and ``checkpointing`` left None, configurations are tried cheapest remedies
+    ``setup`` (a ``batchfit.Setup``) says how each rank's step is run; its precision and checkpointing are
+    chosen where they are ``"auto"``, as they are when it is None, and ``precision`` or ``checkpointing``
+    given fixes that field. The plan chooses the accumulation and the layout itself: ``tensor_parallel``
+    and ``sequence_parallel`` fix those.
+
+    With precision and checkpointing left to choose, configurations are tried cheapest remedies
     first (NOTE [ Remedies ranked by what they cost ] in ``planning/ladder.py``): accumulation alone,
     mixed precision, FSDP sharding across the GPUs, activation checkpointing, tensor parallelism inside
     a node (degrees 2, 4, 8 that split the model's heads, with and without sequence parallelism, FSDP
@@ -205,7 +212,8 @@ def plan(
     if dev.total_bytes is None:
         raise ConfigError(f"{dev.name} has no memory capacity to plan against; give a GPU or a capacity like 24GiB")
     link_gbps(dev, interconnect)  # an unknown interconnect fails here, not after the fits
-    rungs = _rungs(wl, dev, gpus, precision, checkpointing, tensor_parallel, sequence_parallel, gpus_per_node)
+    setup = _plan_setup(setup, precision, checkpointing)
+    rungs = _rungs(wl, dev, gpus, setup, tensor_parallel, sequence_parallel, gpus_per_node)
     walk = _Walk(wl, dev, gpus, global_batch_size, margin, interconnect, progress)
     walk.climb(rungs, resolve_workers(workers))
     if walk.chosen is None:
@@ -213,13 +221,31 @@ def plan(
     return _plan_of(walk, lr)
 
 
+def _plan_setup(setup: Setup | None, precision: str | None, checkpointing: Checkpointing) -> Setup:
+    """The setup every rung starts from: ``setup`` (None: precision and checkpointing chosen) with the
+    fields given fixed.
+
+    Raises:
+        ConfigError: a setup that fixes what the plan chooses (the accumulation, the layout).
+    """
+    setup = Setup.of(Setup(precision=AUTO, checkpointing=AUTO) if setup is None else setup, precision=precision,
+                     checkpointing=checkpointing)  # fmt: skip
+    if setup.accumulation_steps is not None:
+        raise ConfigError("a plan chooses the accumulation steps of its global batch; leave the setup's "
+                          "accumulation_steps None (batchfit.fit takes a fixed count)")  # fmt: skip
+    if setup.parallel is not None:
+        raise ConfigError("a plan chooses the layout of its GPUs; leave the setup's parallel None and fix the "
+                          "degree with tensor_parallel= and sequence_parallel= (--tp, --sp)")  # fmt: skip
+    return setup
+
+
 def _rungs(
-    wl: Workload, dev: Device, gpus: int, precision: str | None, checkpointing: Any, tensor_parallel: int | None,
-    sequence_parallel: bool | None, gpus_per_node: int,
-) -> list[_Config]:  # fmt: skip
+    wl: Workload, dev: Device, gpus: int, setup: Setup, tensor_parallel: int | None, sequence_parallel: bool | None,
+    gpus_per_node: int,
+) -> list[Rung]:  # fmt: skip
     """The ladder's configurations, cheapest remedies first, with a fixed tensor-parallel degree kept alone."""
     degrees, sequence_parallel = _tensor_parallel_degrees(wl, gpus, tensor_parallel, sequence_parallel, gpus_per_node)
-    rungs = _ladder(dev, gpus, precision, checkpointing, bool(wl.checkpoint_blocks), degrees, sequence_parallel)
+    rungs = ladder(dev, gpus, setup, bool(wl.checkpoint_blocks), degrees, sequence_parallel)
     if tensor_parallel is not None:
         rungs = [c for c in rungs if c.tensor_parallel == max(1, tensor_parallel)]
     return rungs
@@ -239,24 +265,24 @@ class _Walk:
     progress: Callable[[str], None] | None
     chosen: _Fitted | None = None
     options: list[tuple[_Fitted, PlanOption]] = field(default_factory=list)
-    failed: list[tuple[_Config, TraceError]] = field(default_factory=list)
+    failed: list[tuple[Rung, TraceError]] = field(default_factory=list)
     """Rungs whose step could not be traced (a model whose ops mix dtypes under autocast), left out and
     said so once another rung's step ran; the first step traced failing is the plan's error instead (a
     bug in the step, not in one configuration of it)."""
     traced: bool = False
 
-    def share_of(self, config: _Config) -> int:
+    def share_of(self, config: Rung) -> int:
         """Items of the global batch the first rank (group) takes under ``config``."""
         return rank_shares(self.global_batch_size, config.data_parallel(self.gpus))[0]
 
-    def could_fit(self, config: _Config) -> bool:
+    def could_fit(self, config: Rung) -> bool:
         """Whether ``config``'s parameters, gradients and optimizer states alone leave room (no trace)."""
         return _could_fit(self.wl, self.dev, config, self.gpus, int(self.dev.total_bytes * (1 - self.margin)))
 
-    def first_rungs(self, rungs: list[_Config]) -> list[_Config]:
+    def first_rungs(self, rungs: list[Rung]) -> list[Rung]:
         """The rungs the walk fits if none errs: the first 1 + ``ALTERNATIVES`` that could fit (all but the
         first can be fitted ahead, in other processes, while the walk reaches them)."""
-        first: list[_Config] = []
+        first: list[Rung] = []
         for config in rungs:
             if len(first) > ALTERNATIVES:
                 break
@@ -264,19 +290,19 @@ class _Walk:
                 first.append(config)
         return first
 
-    def labelled(self, config: _Config, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    def labelled(self, config: Rung, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
         """``progress`` with each line prefixed by the configuration's remedies."""
         label = ", ".join(config.remedies) or "fp32"
         return None if progress is None else (lambda text: progress(f"{label}: {text}"))
 
-    def fit_later(self, config: _Config, progress: Callable[[str], None] | None = None) -> None:
+    def fit_later(self, config: Rung, progress: Callable[[str], None] | None = None) -> None:
         """Fit ``config`` ahead of the walk (its answer cached); an error is raised again when the walk
         reaches it."""
         with contextlib.suppress(TraceError):
             _fit_config(self.wl, self.dev, config, self.gpus, self.share_of(config), self.margin, verify=False,
                         progress=self.labelled(config, progress))  # fmt: skip
 
-    def climb(self, rungs: list[_Config], workers: int) -> None:
+    def climb(self, rungs: list[Rung], workers: int) -> None:
         """Fit the rungs in order until one fits and ``ALTERNATIVES`` more have been fitted beside it."""
         first = self.first_rungs(rungs)
         with fit_ahead(self.wl, first, workers, self.fit_later) as ahead:
@@ -290,7 +316,7 @@ class _Walk:
                     continue
                 self.step(config, ahead)
 
-    def step(self, config: _Config, ahead: Any) -> None:
+    def step(self, config: Rung, ahead: Any) -> None:
         """Fit one rung (unless it cannot fit), and keep it as the plan or as an alternative."""
         try:
             if not self.could_fit(config):
@@ -322,7 +348,7 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     est = result.estimate
     if micro != result.max_batch_size:
         shards = config.arithmetic_shards(gpus)
-        est = fit_estimate_at(fitted_wl, dev, config.precision, config.checkpointing, shards > 1, shards, micro)
+        est = fit_estimate_at(fitted_wl, dev, config.setup, shards > 1, shards, micro)
     accumulation = max(len(s) for s in splits)
     if fitted_wl.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
         est = dataclasses.replace(est, accumulation_steps=accumulation)

@@ -25,20 +25,18 @@ traced at its own length, twice and four times it, and the curve extrapolated.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..batching import check_batch_size
 from ..errors import BatchfitError, ConfigError
 from ..gpu.catalog import Device
-from ..memory.estimate import Estimate, check_batch_size, with_accumulation
+from ..memory.estimate import Estimate, with_accumulation
 from ..memory.synthesis.scaling import TraceCurve, same_step
 from ..memory.trace.fake_step import MemoryTrace
 from ..runtime.simulated import SimulatedDevice
-from ..workload import Workload
+from ..workload import Setup, Workload
 from .budget import fit_setting, real_step
 from .search import _MAX_BATCH, FitAttempt, FitResult, _does_not_fit, _largest_predicted, _Search, _settle
-
-if TYPE_CHECKING:
-    from ..workload import Workload
 
 __all__ = ["check_seq_request", "fit_seq_len"]
 
@@ -138,10 +136,8 @@ def fit_seq_len(
     device: str | Device | SimulatedDevice,
     batch_size: int,
     seq_multiple: int,
-    precision: str,
-    checkpointing: Any,
+    setup: Setup,
     margin: float,
-    expandable_segments: bool,
     shard_over: int,
     verify: bool,
     progress: Callable[[str], None] | None,
@@ -149,10 +145,10 @@ def fit_seq_len(
 ) -> FitResult:
     """The longest sequence of ``workload`` that fits at ``batch_size`` (``fit``'s arguments, checked by
     ``check_seq_request``); see NOTE [ Searching the sequence length ]."""
-    dev, budget, policy, classes = fit_setting(workload, device, margin, precision, checkpointing)
+    dev, budget, policy, classes = fit_setting(workload, device, margin, setup)
     step = real_step(device, budget, policy, classes)  # real steps verify the curve's guess, not traces
     search = _SeqSearch(
-        workload, dev, policy, classes, budget, expandable_segments=expandable_segments,
+        workload, dev, policy, classes, budget, expandable_segments=setup.expandable_segments,
         reserved_only=isinstance(device, SimulatedDevice), shard_over=shard_over,
         batch_size=batch_size, multiple=seq_multiple, keep_known_error=known_error and step is None,
     )  # fmt: skip

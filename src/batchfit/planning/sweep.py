@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..batching import map_tensors
+from ..batching import check_batch_size, map_tensors
 from ..errors import ConfigError
-from ..memory.estimate import check_batch_size
 from ..memory.measure import measure_cpu_peak
 from ..memory.steps import loss_for_backward
 from ..sources import as_workload

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..activation_checkpointing import checkpoint_classes
 from ..advice.lr import lr_scaling
+from ..batching import check_batch_size
 from ..errors import ConfigError, DoesNotFitError
 from ..gpu.catalog import get_device
-from ..memory.estimate import check_batch_size, finish_estimate, trace_for_device, with_accumulation
+from ..memory.estimate import finish_estimate, trace_for_device, with_accumulation
 from ..memory.synthesis.sharding import shard_trace
 from ..memory.trace.fake_step import MemoryTrace
 from ..planning.plan import plan as make_plan

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..advice.batchnorm import BatchNormWarning, batchnorm_advice
+from ..batching import check_batch_size
 from ..errors import ConfigError
-from ..memory.estimate import check_batch_size
 from ..memory.steps import default_dtype
 from ..precision import policy_for
 from ..runtime.simulated import SimulatedDevice
