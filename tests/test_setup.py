@@ -4,6 +4,7 @@ arguments as sugar; one spelling per meaning, so that two spellings of one setup
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -59,11 +60,12 @@ def test_estimate_and_fit_take_a_setup_and_their_keywords_replace_its_fields() -
     assert fitted.estimate.precision == "bf16" and fitted.estimate.checkpointing
 
 
-def test_two_spellings_of_one_setup_share_their_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_spellings_of_one_setup_share_their_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The fit is kept under its setup resolved against the workload: asked again in another spelling, it is
     read back whole (no allocator replayed); a setup that changes the step is searched anew."""
     from batchfit.memory import estimate
 
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))  # cold: nothing fitted before
     replays = []
     real_replay = estimate.replay
     monkeypatch.setattr(estimate, "replay", lambda *a, **k: replays.append(1) or real_replay(*a, **k))
@@ -112,3 +114,12 @@ def test_a_setup_that_asks_the_impossible_is_refused_in_one_line(call, message: 
     with pytest.raises(ConfigError) as info:
         call()
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_the_examples_in_the_setups_docstrings_run() -> None:
+    import doctest
+
+    import batchfit.workload
+
+    failed, attempted = doctest.testmod(batchfit.workload)
+    assert attempted >= 2 and failed == 0
