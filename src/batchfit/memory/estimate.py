@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
+from ..precision import PrecisionPolicy
 from .allocator.caching import replay, round_size
 from .analytic import analytic_estimate
 from .cache import CACHE, Uncacheable, trace_key
@@ -241,7 +242,7 @@ def paged_bytes(trace: MemoryTrace) -> int:
 
 @full_collections_deferred
 def trace_for_device(
-    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...],
+    workload: Workload, batch_size: int, device: Device, policy: PrecisionPolicy, classes: tuple[type, ...],
     announce: Callable[[], None] | None = None,
 ) -> MemoryTrace:  # fmt: skip
     """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind, from the
@@ -269,7 +270,7 @@ def trace_for_device(
 
 
 def cached_trace(
-    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+    workload: Workload, batch_size: int, device: Device, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> MemoryTrace | None:
     """The trace the cache holds of this step, or None: never traces (a guess may use what is known)."""
     key = _cache_key(workload, batch_size, device, policy, classes)
@@ -277,7 +278,7 @@ def cached_trace(
 
 
 def _cache_key(
-    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+    workload: Workload, batch_size: int, device: Device, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> str | None:
     """The trace cache's key of this step (None: the workload cannot be described, so is not cached)."""
     try:
@@ -287,7 +288,7 @@ def _cache_key(
 
 
 def _trace_for_device(
-    workload: Workload, batch_size: int, device: Device, policy: Any, classes: tuple[type, ...]
+    workload: Workload, batch_size: int, device: Device, policy: PrecisionPolicy, classes: tuple[type, ...]
 ) -> MemoryTrace:
     def trace(depth: Any) -> MemoryTrace:
         if device.exact:
@@ -318,7 +319,7 @@ def finish_estimate(
     workload: Workload,
     batch_size: int,
     device: Device,
-    policy: Any,
+    policy: PrecisionPolicy,
     classes: tuple[type, ...],
     expandable_segments: bool = False,
     allocator_capacity: int | None = None,
@@ -338,7 +339,7 @@ def finish_estimate(
     )
 
 
-def with_accumulation(workload: Workload, accumulation_steps: Any) -> Workload:
+def with_accumulation(workload: Workload, accumulation_steps: int | None) -> Workload:
     """``workload`` with ``accumulation_steps`` (checked: a whole number >= 1); None keeps its own."""
     if accumulation_steps is None or accumulation_steps == workload.accumulation_steps:
         return workload

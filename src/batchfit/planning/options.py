@@ -10,8 +10,8 @@ here as well.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..batching import make_splits
 from ..errors import DoesNotFitError, TraceError
@@ -86,7 +86,7 @@ def config_workload(wl: Workload, config: Rung, gpus: int) -> Workload:
 
 def _fit_config(
     wl: Workload, dev: Device, config: Rung, gpus: int, share: int, margin: float, *, verify: bool,
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> _Fitted | None:  # fmt: skip
     """The largest micro-batch (at most the share) of one configuration, or None when none fits.
 
@@ -108,7 +108,7 @@ def _fit_config(
 
 def _fit_config_uncached(
     wl: Workload, dev: Device, config: Rung, gpus: int, share: int, margin: float, *, verify: bool,
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> _Fitted | None:  # fmt: skip
     if config.tensor_parallel > 1 and not one_item_fits(wl, dev, most_split(config), gpus, margin, progress):
         return None  # NOTE [ The most split layout first ]
@@ -142,7 +142,9 @@ def _fit_config_uncached(
     return None if result is None else _Fitted(config, result, accumulating)
 
 
-def one_item_fits(wl: Workload, dev: Device, config: Rung, gpus: int, margin: float, progress: Any = None) -> bool:
+def one_item_fits(
+    wl: Workload, dev: Device, config: Rung, gpus: int, margin: float, progress: Callable[[str], None] | None = None
+) -> bool:
     """Whether one rank of ``config`` fits a step of one item (one trace, kept with the others)."""
     budget = int((dev.total_bytes or 0) * (1 - margin))
     announce = None if progress is None else lambda: progress(
@@ -224,8 +226,9 @@ def plan_splits(config: Rung, global_batch_size: int, gpus: int, micro_batch_siz
 
 
 def fit_estimate_at(
-    wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, batch_size: int, announce: Any = None
-) -> Estimate:
+    wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, batch_size: int,
+    announce: Callable[[], None] | None = None,
+) -> Estimate:  # fmt: skip
     """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
     that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
     wl = setup.workload(wl)

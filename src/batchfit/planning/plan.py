@@ -91,7 +91,7 @@ class Plan:
         return self.gpus // self.tensor_parallel
 
     @property
-    def layout(self) -> Any:
+    def layout(self) -> ParallelLayout | None:
         """The ``ParallelLayout`` a rank trains in (None: no tensor parallelism)."""
         if self.tensor_parallel <= 1:
             return None
@@ -390,7 +390,7 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     )
 
 
-def _split_after_whole(config: Any, before: list[Any]) -> bool:
+def _split_after_whole(config: Rung, before: list[Rung]) -> bool:
     """Whether ``config`` splits the model while a configuration before it keeps it whole.
 
     Tensor parallelism is the last remedy: its collectives sit in every layer, and a rank's step costs
