@@ -19,6 +19,8 @@ scenario, its micro-batch sizes and micro-batch size per step, the error it stop
 message), the largest relative difference of its parameters from the full-batch reference, and each
 step's item-use counts.
 
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
+
 Arguments: OUT SCENARIO[,SCENARIO...].
 """
 

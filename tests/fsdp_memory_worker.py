@@ -6,6 +6,8 @@ then the root), runs one step (forward, backward, AdamW) and measures the bytes 
 storages it holds: parameters and buffers after sharding, gradients after backward, optimizer states
 after the step. Rank 0 writes them to the JSON file named by the first argument.
 
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
+
 Arguments: OUT.
 """
 

@@ -1,10 +1,12 @@
-"""One rank of ``tests/test_fsdp.py``: the Trainer sharded with FSDP against the same steps by hand.
+"""One rank of ``tests/test_distributed.py``'s FSDP test: the Trainer sharded with FSDP against the same steps by hand.
 
 Run under ``torchrun --nproc_per_node=2``. Every rank trains a small GPT (padded token losses, tied
 embeddings, numbered blocks) through ``Trainer(..., sharded=True)`` with AdamW and clipping, and also
 replays the same steps on a plain copy of the model, by hand: one forward of the whole global batch,
 ``loss_sum / n_tokens``, backward, clipping, AdamW. It records what the Trainer fed the noise scale and
 the same quantities by hand, and rank 0 writes everything to the JSON file named by the first argument.
+
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
 
 Arguments: OUT GLOBAL_BATCH MICRO_BATCH STEPS.
 """

@@ -5,6 +5,8 @@ Run under ``torchrun --nproc_per_node=2``. For each global batch, every rank pla
 the HF ``Trainer`` (gloo on the CPU) with the arguments it got, and writes what it ran to
 ``OUT.<rank>.json``.
 
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
+
 Arguments: OUT GLOBAL_BATCH [GLOBAL_BATCH ...].
 """
 

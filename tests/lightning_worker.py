@@ -5,6 +5,8 @@ torchrun started. Rank 1 is given a smaller GPU than rank 0: had it planned for 
 smaller batch, so agreeing on rank 0's answer shows the answer came through the strategy's broadcast.
 Each rank writes what it ran to ``OUT.<rank>.json``; rank 0 also saves the weights to ``OUT.pt``.
 
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
+
 Arguments: OUT GLOBAL_BATCH.
 """
 

@@ -17,6 +17,8 @@ buffers). Here every collective is waited for at once and given a moment for glo
 before the step goes on (``settle_collectives``), so each buffer is freed by the step itself, where it
 drops it, as the estimate assumes; the step's own order of allocations and frees is unchanged.
 
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
+
 Arguments: OUT CONFIG_DIR SEQ_LEN BATCH_SIZE LAYOUT...
 """
 

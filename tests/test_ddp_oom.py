@@ -1,22 +1,22 @@
-"""Two processes under torchrun (DDP, gloo): one rank runs out of memory mid-window, and neither hangs.
+"""Two processes (DDP, gloo): one rank runs out of memory mid-window, and neither hangs.
 
-Each run is ``tests/ddp_oom_worker.py`` under a real ``torchrun --standalone --nproc_per_node=2``,
-with a timeout on the wait. Rank 1 alone fails, where a scenario says; both ranks must then go on
-with a consistent plan (the smallest micro-batch size any of them needed, from the next step), their
-parameters equal to the full-batch reference (float64) and every item used once, or both stop with
-the same one-line error.
+Each run is ``tests/ddp_oom_worker.py`` on two ranks started as ``torchrun --standalone --nproc_per_node=2``
+would start them, forked from a warm fork server (``tests/launch.py``: what is tested is the trainer on
+several ranks, not the launcher), with a timeout on the wait. Rank 1 alone fails, where a scenario says;
+both ranks must then go on with a consistent plan (the smallest micro-batch size any of them needed,
+from the next step), their parameters equal to the full-batch reference (float64) and every item used
+once, or both stop with the same one-line error.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import run_script
 
 TIMEOUT_S = 180
 WORKER = Path(__file__).with_name("ddp_oom_worker.py")
@@ -24,10 +24,7 @@ G, STEPS = 24, 2
 
 
 def _torchrun(out: Path, scenarios: str) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(out), scenarios]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    done = run_script(2, WORKER, str(out), scenarios, timeout=TIMEOUT_S)
     reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     return done, reports
 

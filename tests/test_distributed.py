@@ -1,8 +1,13 @@
-"""Several processes (torchrun, gloo on the CPU): the same weights as one process, across resumes and kills.
+"""Several processes (gloo on the CPU): the same weights as one process, across resumes and kills.
 
-Every run is a real ``torchrun`` (``python -m torch.distributed.run``) of ``batchfit train`` in float64
-(or of ``tests/fsdp_worker.py``), with ``--standalone`` (a free port, no fixed address) and a timeout on
-every wait. DDP by default; ``--shard`` (FSDP's ``fully_shard``) where named.
+Every run is of ``batchfit train`` in float64 (or of ``tests/fsdp_worker.py``), with a timeout on every wait.
+DDP by default; ``--shard`` (FSDP's ``fully_shard``) where named. What the tests check is what the training
+code does on several ranks, so most runs start their ranks as torchrun would, but forked from a warm fork
+server (``tests/launch.py``: the environment torchrun gives, in milliseconds instead of ~11 s of imports).
+A real ``torchrun --standalone`` (``python -m torch.distributed.run``) runs where the launcher is part of
+what is tested: the killed rank that torchrun restarts (``--max-restarts``), and one plain end-to-end run
+(``test_two_processes_equal_one[30-torchrun]``). One process is ``batchfit.cli.main`` in this process
+(``launch.batchfit_here``): nothing those tests check depends on a new process.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import batchfit_here, run_cli, run_script
 
 from batchfit.train.save_resume import read_checkpoint
 from batchfit.train.synthetic import train_synthetic
@@ -34,14 +40,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _one_process(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "batchfit", *BASE, *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=_env(),
-    )
+def _one_process(capfd: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    return batchfit_here(capfd, *BASE, *args)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,13 @@ def _torchrun(nproc: int, *args: str, restarts: int = 0) -> list[str]:
 
 
 def _run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """A real torchrun of ``batchfit train``."""
     return subprocess.run(_torchrun(nproc, *args), capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+
+
+def _run_forked(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``batchfit train`` on ``nproc`` ranks forked as torchrun would start them (``tests/launch.py``)."""
+    return run_cli(nproc, *BASE, *args, timeout=TIMEOUT_S)
 
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -96,22 +102,27 @@ def _max_rel_diff(a: Path, b: Path) -> float:
     return max(((sa[k] - sb[k]).abs().max() / sa[k].abs().max().clamp_min(1e-300)).item() for k in sa)
 
 
-@pytest.mark.parametrize("global_batch_size", [30, 31])
-def test_two_processes_equal_one(tmp_path: Path, global_batch_size: int, reference: Callable[..., Path]) -> None:
-    two = _run_torchrun(
-        2, "--global-batch-size", str(global_batch_size), "--steps", "4", "--save", str(tmp_path / "p2.pt")
-    )
+@pytest.mark.parametrize(
+    ("global_batch_size", "launch"), [(30, _run_torchrun), (31, _run_forked)], ids=["30-torchrun", "31-forked"]
+)
+def test_two_processes_equal_one(
+    tmp_path: Path, global_batch_size: int, launch: Callable[..., subprocess.CompletedProcess],
+    reference: Callable[..., Path]
+) -> None:  # fmt: skip
+    two = launch(2, "--global-batch-size", str(global_batch_size), "--steps", "4", "--save", str(tmp_path / "p2.pt"))
     assert two.returncode == 0, two.stderr[-2000:]
     assert _max_rel_diff(reference(global_batch_size, 4), tmp_path / "p2.pt") <= 1e-12
 
 
 @pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(tmp_path: Path, first: int, second: int, reference: Callable[..., Path]) -> None:
+def test_resume_on_another_world_size(
+    tmp_path: Path, first: int, second: int, reference: Callable[..., Path], capfd: pytest.CaptureFixture
+) -> None:
     ck = tmp_path / "ck.pt"
 
     def run(nproc: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
         args = ("--global-batch-size", "31", "--steps", str(steps), "--checkpoint", str(ck), *extra)
-        return _one_process(*args) if nproc == 1 else _run_torchrun(nproc, *args)
+        return _one_process(capfd, *args) if nproc == 1 else _run_forked(nproc, *args)
 
     a = run(first, 2)
     assert a.returncode == 0, a.stderr[-2000:]
@@ -185,14 +196,16 @@ def test_a_killed_rank_resumes_from_the_checkpoint(
     assert [sorted(step) for step in items] == [list(range(30 * t, 30 * (t + 1))) for t in range(steps)]
 
 
-def test_bad_checkpoints_and_world_sizes_are_one_line_and_overwrite_nothing(tmp_path: Path) -> None:
+def test_bad_checkpoints_and_world_sizes_are_one_line_and_overwrite_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
     ck = tmp_path / "ck.pt"
-    first = _one_process("--global-batch-size", "8", "--steps", "1", "--checkpoint", str(ck))
+    first = _one_process(capfd, "--global-batch-size", "8", "--steps", "1", "--checkpoint", str(ck))
     assert first.returncode == 0, first.stderr
     good = ck.read_bytes()
 
     other_model = _one_process(
-        "--global-batch-size", "8", "--steps", "2", "--checkpoint", str(ck), "--set", "hidden=32"
+        capfd, "--global-batch-size", "8", "--steps", "2", "--checkpoint", str(ck), "--set", "hidden=32"
     )
     assert other_model.returncode == 2
     assert other_model.stderr.strip().count("\n") == 0 and "another model" in other_model.stderr
@@ -200,11 +213,11 @@ def test_bad_checkpoints_and_world_sizes_are_one_line_and_overwrite_nothing(tmp_
 
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good[: len(good) // 3])
-    cut = _one_process("--global-batch-size", "8", "--steps", "2", "--checkpoint", str(truncated))
+    cut = _one_process(capfd, "--global-batch-size", "8", "--steps", "2", "--checkpoint", str(truncated))
     assert cut.returncode == 2 and "unreadable" in cut.stderr and cut.stderr.strip().count("\n") == 0
     assert truncated.read_bytes() == good[: len(good) // 3]
 
-    too_many = _run_torchrun(2, "--global-batch-size", "1", "--steps", "1")
+    too_many = _run_forked(2, "--global-batch-size", "1", "--steps", "1")
     assert too_many.returncode != 0
     assert "cannot share a global batch of 1" in too_many.stderr
 
@@ -216,7 +229,7 @@ def test_sharded_training_equals_one_process(
 ) -> None:
     """G=31, micro 7: shares 16/15 split 6+5+5 / 5+5+5; G=5, micro 1: rank 1 ends with a padding piece."""
     args = ("--global-batch-size", str(global_batch_size), "--micro-batch-size", str(micro), "--steps", "3")
-    two = _run_torchrun(2, *args, "--shard", "--save", str(tmp_path / "p2.pt"))
+    two = _run_forked(2, *args, "--shard", "--save", str(tmp_path / "p2.pt"))
     assert two.returncode == 0, two.stderr[-2000:]
     summary = json.loads(two.stdout)
     assert summary["sharded"] and summary["world_size"] == 2
@@ -229,7 +242,7 @@ def test_sharded_training_equals_one_process(
     ids=["fsdp-to-one", "one-to-fsdp-auto", "fsdp-to-fsdp"],  # the last loads into an already sharded model
 )
 def test_a_sharded_checkpoint_resumes_unsharded_and_back(
-    tmp_path: Path, first: list[str], second: list[str], reference: Callable[..., Path]
+    tmp_path: Path, first: list[str], second: list[str], reference: Callable[..., Path], capfd: pytest.CaptureFixture
 ) -> None:
     """Checkpoints hold whole states whatever wrote them: FSDP on 2 ranks -> 1 process, and 1 -> FSDP on 2."""
     ck = tmp_path / "ck.pt"
@@ -238,7 +251,7 @@ def test_a_sharded_checkpoint_resumes_unsharded_and_back(
     for nproc, steps, extra in ((nprocs[0], 2, first), (nprocs[1], 4, second)):
         args = ("--global-batch-size", "9", "--steps", str(steps), "--checkpoint", str(ck), *extra)
         args += ("--save", str(tmp_path / "resumed.pt")) if steps == 4 else ()
-        runs.append(_one_process(*args) if nproc == 1 else _run_torchrun(nproc, *args))
+        runs.append(_one_process(capfd, *args) if nproc == 1 else _run_forked(nproc, *args))
         assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
     saved = read_checkpoint(ck)
     assert saved["step"] == 4 and all(isinstance(k, int) for k in saved["optimizer"]["state"])
@@ -252,14 +265,7 @@ def test_the_sharded_trainer_is_the_large_batch_by_hand(tmp_path: Path, global_b
     The noise scale's inputs too: under FSDP the small batch is the union of the ranks' first micro-batches.
     """
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    done = subprocess.run(
-        [*cmd, str(out), str(global_batch_size), str(micro), "3"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=_env(),
-    )
+    done = run_script(2, WORKER, str(out), str(global_batch_size), str(micro), "3", timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["sharded"] and report["dtensor_params"] and report["optimizer_holds_sharded"]

@@ -1,15 +1,14 @@
 """The Hugging Face Trainer, planned by batchfit: real ``Trainer`` runs with the planned arguments.
 
 A tiny Llama built from transformers' config class trains on the CPU; the plans are made for a simulated
-GPU (``hf_tiny.CAPACITY``) on which 5 items fit, so larger global batches need accumulation.
+GPU (``hf_tiny.CAPACITY``) on which 5 items fit, so larger global batches need accumulation. The two-process
+run starts its ranks as torchrun would, forked from a warm fork server (``tests/launch.py``): what it tests is
+the adapter on two ranks, not the launcher.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_tiny import CAPACITY, arguments, example, tiny_llama, train_two_steps  # noqa: E402
+from launch import LIBRARIES, run_script  # noqa: E402
 
 from batchfit.cli import main  # noqa: E402
 from batchfit.errors import ConfigError, DoesNotFitError  # noqa: E402
@@ -82,11 +82,8 @@ def test_planned_arguments_train_exactly(
 
 @pytest.mark.slow
 def test_two_processes_train_with_the_same_plan(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     sizes = [8, 30]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(tmp_path / "run"), *map(str, sizes)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+    done = run_script(2, WORKER, str(tmp_path / "run"), *map(str, sizes), timeout=420, preload=LIBRARIES)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"run.{r}.json").read_text()) for r in (0, 1)]
     for g, run0, run1 in zip(sizes, *ranks):

@@ -1,13 +1,14 @@
 """Lightning, planned by batchfit: ``Trainer.fit`` with ``BatchfitTuner`` sets the batch size and the
 accumulation, trains, and ends with the weights of plain SGD on the whole global batches (float64).
+
+The DDP run starts its two ranks as torchrun would, forked from a warm fork server (``tests/launch.py``):
+Lightning sees torchrun's environment and joins the processes it was given; what is tested is the tuner on
+two ranks, not the launcher.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from launch import LIBRARIES, run_script  # noqa: E402
 from lightning_tiny import CAPACITY, make_module, make_trainer, reference  # noqa: E402
 
 from batchfit.errors import ConfigError, DoesNotFitError  # noqa: E402
@@ -101,10 +103,7 @@ def test_bad_input_is_one_clear_error() -> None:
 
 @pytest.mark.slow
 def test_ddp_ranks_get_rank_zeros_plan_and_train_exactly(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(tmp_path / "run"), str(GLOBAL_BATCH)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = run_script(2, WORKER, str(tmp_path / "run"), str(GLOBAL_BATCH), timeout=300, preload=LIBRARIES)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"run.{r}.json").read_text()) for r in (0, 1)]
     micro, steps = ranks[0]["batch_size"], ranks[0]["accumulate_grad_batches"]

@@ -1,23 +1,22 @@
 """One rank of tensor, sequence and FSDP2 layouts, traced, against real gloo ranks: equal to the byte.
 
 ``tests/parallel_memory_worker.py`` splits a tiny Llama (its config written below, its plan the one
-transformers publishes) with ``apply_layout`` on a real mesh under torchrun and measures each rank's
+transformers publishes) with ``apply_layout`` on a real mesh of gloo ranks and measures each rank's
 allocator peak and its local parameters, gradients and optimizer states. Here the same workload is
-estimated on ``device="cpu"`` as rank 0 of a fake process group. Every number must be equal.
+estimated on ``device="cpu"`` as rank 0 of a fake process group. Every number must be equal. The ranks are
+started as torchrun would start them, forked from a warm fork server (``tests/launch.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hf_tiny import llama_config_dir
+from launch import LIBRARIES, run_script
 from test_sharding import most_alive
 
 import batchfit
@@ -44,10 +43,8 @@ def config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _measure(config_dir: Path, out: Path, names: list[str]) -> dict:
     nproc = LAYOUTS[names[0]].world_size
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(out), str(config_dir), str(SEQ_LEN), str(BATCH_SIZE), *names]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    run = run_script(nproc, WORKER, str(out), str(config_dir), str(SEQ_LEN), str(BATCH_SIZE), *names, timeout=300,
+                     preload=LIBRARIES)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -1,20 +1,19 @@
 """FSDP's memory on one rank, derived from the single-GPU trace, against ``fully_shard`` on two processes.
 
-``tests/fsdp_memory_worker.py`` shards each workload with FSDP2 (gloo on the CPU, under torchrun) and
-measures rank 0's local parameter, gradient and optimizer-state storages; here the same workloads are
-traced once and ``shard_trace`` derives rank 0's trace arithmetically. The bytes must be equal.
+``tests/fsdp_memory_worker.py`` shards each workload with FSDP2 (gloo on the CPU, two ranks started as
+torchrun would start them, forked from a warm fork server: ``tests/launch.py``) and measures rank 0's local
+parameter, gradient and optimizer-state storages; here the same workloads are traced once and ``shard_trace``
+derives rank 0's trace arithmetically. The bytes must be equal.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from fsdp_memory_worker import BATCH_SIZE, WORKLOADS
+from launch import run_script
 
 from batchfit.memory.categories import Category
 from batchfit.memory.synthesis.sharding import shard_bytes, shard_trace
@@ -37,9 +36,7 @@ def most_alive(trace: MemoryTrace, category: Category) -> int:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, int]]:
     out = tmp_path_factory.mktemp("fsdp-memory") / "rank0.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    run = run_script(2, WORKER, str(out), timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -1,4 +1,4 @@
-"""The Trainer under tensor (and sequence) parallelism on torchrun (gloo): the same losses and gradients
+"""The Trainer under tensor (and sequence) parallelism on several ranks (gloo): the same losses and gradients
 as one process, in float64.
 
 ``tests/tp_train_worker.py`` trains a tiny Llama (its published plan: column-wise q/k/v/gate/up, row-wise
@@ -6,19 +6,22 @@ o/down, the head's logits split over the vocabulary under ``loss_parallel``) wit
 so that each parameter's change is its clipped gradient, and replays the same global batches on one
 plain model by hand. Uneven splits (10 items on two groups of micro-batches of 2) exercise the
 accumulation weights.
+
+The ranks are started as torchrun would start them, but forked from a warm fork server (``tests/launch.py``):
+what is tested is the training code on several ranks, not the launcher (``tests/test_distributed.py`` runs
+the real torchrun). One process is ``batchfit.cli.main`` in this process (``launch.batchfit_here``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hf_tiny import llama_config_dir
+from launch import LIBRARIES, batchfit_here, run_cli, run_script
 from torch import nn
 
 from batchfit.errors import ConfigError
@@ -35,10 +38,8 @@ def config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(config_dir: Path, out: Path, nproc: int, tp: int, sp: bool, global_batch: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(out), str(config_dir), str(tp), "1" if sp else "0", str(global_batch), "2", "2"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    run = run_script(nproc, WORKER, str(out), str(config_dir), str(tp), "1" if sp else "0", str(global_batch), "2",
+                     "2", timeout=300, preload=LIBRARIES)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -82,16 +83,16 @@ GPT = ["train", "gpt", "--set", "n_layer=2", "--set", "n_embd=16", "--set", "n_h
        "--dtype", "float64", "--json"]  # fmt: skip
 
 
-def _cli(prefix: list[str], *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *prefix, "-m", "batchfit", *GPT, *args], capture_output=True, text=True,
-                          timeout=300, env=env)  # fmt: skip
+def _cli(capfd: pytest.CaptureFixture, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``batchfit train gpt ...``: in this process for one, else on ``nproc`` forked ranks."""
+    return batchfit_here(capfd, *GPT, *args) if nproc == 1 else run_cli(nproc, *GPT, *args, timeout=300)
 
 
-def test_batchfit_train_tp_splits_the_gpt_presets_feed_forward_as_one_process_trains(tmp_path: Path) -> None:
-    one = _cli([], "--save", str(tmp_path / "one.pt"))
-    two = _cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], "--tp", "2", "--sp",
-               "--save", str(tmp_path / "two.pt"))  # fmt: skip
+def test_batchfit_train_tp_splits_the_gpt_presets_feed_forward_as_one_process_trains(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    one = _cli(capfd, 1, "--save", str(tmp_path / "one.pt"))
+    two = _cli(capfd, 2, "--tp", "2", "--sp", "--save", str(tmp_path / "two.pt"))
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     a, b = json.loads(one.stdout), json.loads(two.stdout)
     assert (b["tensor_parallel"], b["sequence_parallel"]) == (2, True)
@@ -101,8 +102,8 @@ def test_batchfit_train_tp_splits_the_gpt_presets_feed_forward_as_one_process_tr
     assert max((whole[k] - split[k]).abs().max().item() for k in whole) < 1e-12
 
 
-def test_batchfit_train_tp_on_one_process_is_one_line() -> None:
-    run = _cli([], "--tp", "2")
+def test_batchfit_train_tp_on_one_process_is_one_line(capfd: pytest.CaptureFixture) -> None:
+    run = _cli(capfd, 1, "--tp", "2")
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == (
         "batchfit: error: tensor parallel degree 2 does not divide the 1 processes; valid degrees: 1"

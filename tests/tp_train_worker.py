@@ -7,6 +7,8 @@ batch cut into micro-batches, and also replays the same steps on a plain copy, b
 the whole global batch, backward, clipping, SGD. It records both runs' losses and every parameter's
 change (the gradient); rank 0 writes them to the JSON file named by the first argument.
 
+The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
+
 Arguments: OUT CONFIG_DIR TENSOR_PARALLEL SEQUENCE_PARALLEL(0|1) GLOBAL_BATCH MICRO_BATCH STEPS.
 """
 
