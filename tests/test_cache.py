@@ -22,6 +22,13 @@ from batchfit.models.gpt import token_batch
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, seq_len=16)
 
 
+@pytest.fixture(autouse=True)
+def _a_cache_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test here counts what is traced and read back: it starts from an empty disk cache, whatever
+    other tests (in any worker) traced into the run's."""
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "trace-cache"))
+
+
 def _estimate(wl: batchfit.Workload, b: int = 4) -> batchfit.Estimate:
     return batchfit.estimate(wl, b, device="A100-40GB")
 
