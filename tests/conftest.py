@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -20,17 +19,9 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The trace cache on disk lives in this run's temporary directory, never the user's, shared by the
-    run's xdist workers: a step one worker traced (a zoo model on the CPU, a hub config) is read back by
-    the other, as a user's second command reads the first's (entries are written whole, by rename). Tests
-    that count what is traced give themselves a cache of their own."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = tmp_path_factory.getbasetemp().parent / "trace-cache"  # the workers' common base
-        root.mkdir(exist_ok=True)
-    else:
-        root = tmp_path_factory.mktemp("trace-cache")
+    """The trace cache on disk lives in this session's temporary directory, never the user's."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BATCHFIT_CACHE_DIR", str(root))
+        mp.setenv("BATCHFIT_CACHE_DIR", str(tmp_path_factory.mktemp("trace-cache")))
         yield
 
 
