@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..batching import check_batch_size
 from ..errors import ConfigError
 
 LINEAR = "linear"
@@ -102,9 +103,8 @@ def resolve_rule(rule: str, optimizer: Any = None) -> str:
 def _check(base_lr: Any, base_batch_size: Any, new_batch_size: Any) -> None:
     if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or not 0 < base_lr < math.inf:
         raise ConfigError(f"base_lr must be a positive number, got {base_lr!r}; e.g. 3e-4")
-    for what, value in (("base_batch_size", base_batch_size), ("new_batch_size", new_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{what} must be a whole number >= 1, got {value!r}")
+    check_batch_size(base_batch_size, "base_batch_size")
+    check_batch_size(new_batch_size, "new_batch_size")
 
 
 def scale_lr(

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..batching import check_batch_size
 from ..errors import ConfigError
 
 #: Below this ratio of global batch to noise scale, steps are noise-dominated (advice: larger batch).
@@ -187,8 +188,7 @@ class GradientNoiseScale:
         Raises:
             ConfigError: a global batch size below 1.
         """
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
+        check_batch_size(global_batch_size, "global_batch_size")
         g = global_batch_size
         if self.steps == 0:
             return (

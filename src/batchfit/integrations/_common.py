@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..batching import Batch, batch_size_of, map_tensors
+from ..batching import Batch, batch_size_of, check_batch_size, map_tensors
 from ..errors import ConfigError, DoesNotFitError, MissingExtraError
 from ..gpu.catalog import Device, get_device
 from ..gpu.real_gpu import cuda_device
@@ -53,9 +53,8 @@ def per_rank_share(global_batch_size: Any, world_size: Any, framework: str) -> i
         ConfigError: a global batch or world size below 1, fewer items than ranks, or a global batch that
             the world size does not divide (the framework gives every rank the same batch size).
     """
-    for value, what in ((global_batch_size, "global batch size"), (world_size, "world size")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"the {what} must be a whole number >= 1, got {value!r}")
+    check_batch_size(global_batch_size, "the global batch size")
+    check_batch_size(world_size, "the world size")
     if global_batch_size < world_size:
         raise ConfigError(
             f"a global batch of {global_batch_size} cannot give each of {world_size} processes an item; "

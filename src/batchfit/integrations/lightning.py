@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batching import check_batch_size
 from ..errors import BatchfitError, ConfigError
 from ..workload import Workload, trainable_parameters
 from ._common import RepeatedItems, equal_plan, one_line, require
@@ -163,8 +164,7 @@ class BatchfitTuner(Callback):
     def __init__(
         self, global_batch_size: int, device: Any = None, *, batch_arg_name: str = "batch_size", margin: float = 0.0
     ) -> None:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"the global batch size must be a whole number >= 1, got {global_batch_size!r}")
+        check_batch_size(global_batch_size, "the global batch size")
         self.global_batch_size = global_batch_size
         self.device = device
         self.batch_arg_name = batch_arg_name

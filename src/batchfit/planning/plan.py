@@ -22,7 +22,7 @@ from typing import Any
 
 from ..activation_checkpointing import Checkpointing
 from ..advice.lr import lr_scaling
-from ..batching import rank_shares
+from ..batching import check_batch_size, rank_shares
 from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.cache import CACHE
@@ -130,10 +130,8 @@ class Plan:
 
 
 def _validate(global_batch_size: Any, gpus: Any) -> None:
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ConfigError(f"the global batch size must be a whole number >= 1, got {global_batch_size!r}")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError(f"the number of GPUs must be a whole number >= 1, got {gpus!r}")
+    check_batch_size(global_batch_size, "the global batch size")
+    check_batch_size(gpus, "the number of GPUs")
     if global_batch_size < gpus:
         raise ConfigError(
             f"a global batch of {global_batch_size} cannot give each of {gpus} GPUs an item; "
@@ -411,10 +409,9 @@ def _tensor_parallel_degrees(
         ConfigError: an asked degree that does not fit the model, a node or the GPUs (naming the valid
             ones), or sequence parallelism asked of a plan outside numbered blocks.
     """
-    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
-        raise ConfigError(f"the tensor-parallel degree must be a whole number >= 1, got {asked!r}")
-    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ConfigError(f"GPUs per node must be a whole number >= 1, got {gpus_per_node!r}")
+    if asked is not None:
+        check_batch_size(asked, "the tensor-parallel degree")
+    check_batch_size(gpus_per_node, "GPUs per node")
     if asked == 1 or (asked is None and gpus == 1):
         return (), sequence_parallel
     facts = CACHE.fact("tensor-parallel facts", wl, None, lambda: split_facts(fake_model(wl), wl.tp_plan))

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..advice.noise_scale import GradientNoiseScale
-from ..batching import Batch, batch_size_of
+from ..batching import Batch, batch_size_of, check_batch_size
 from ..errors import ConfigError, DoesNotFitError
 from ..precision import Precision, policy_for
 from ..runtime.simulated import SimulatedDevice
@@ -137,8 +137,7 @@ class Accumulator:
         noise_scale: GradientNoiseScale | bool = True,
         device: SimulatedDevice | None = None,
     ) -> None:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
+        check_batch_size(global_batch_size, "global_batch_size")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
             raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):

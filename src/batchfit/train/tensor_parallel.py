@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..batching import check_batch_size
 from ..errors import ConfigError
 from ..workload import ParallelLayout
 
@@ -43,8 +44,7 @@ def check_tensor_parallel(degree: Any, world_size: int) -> int:
     Raises:
         ConfigError: not a whole number >= 1, or one that does not divide the processes.
     """
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ConfigError(f"tensor_parallel must be a whole number >= 1, got {degree!r}")
+    check_batch_size(degree, "tensor_parallel")
     if degree > 1 and world_size % degree:
         valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
         raise ConfigError(

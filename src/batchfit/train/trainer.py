@@ -31,7 +31,7 @@ from torch import nn
 
 from ..advice.batchnorm import warn_batchnorm
 from ..advice.noise_scale import GradientNoiseScale
-from ..batching import Batch, batch_size_of, make_splits, rank_shares
+from ..batching import Batch, batch_size_of, check_batch_size, make_splits, rank_shares
 from ..errors import ConfigError, DoesNotFitError
 from ..precision import Precision, parse_precision
 from ..runtime.simulated import SimulatedDevice
@@ -134,8 +134,7 @@ class Trainer:
         sequence_parallel: bool = False,
         tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"global_batch_size must be a whole number >= 1, got {global_batch_size!r}")
+        check_batch_size(global_batch_size, "global_batch_size")
         if micro_batch_size != "auto":
             if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
                 raise ConfigError(f"micro_batch_size must be 'auto' or a whole number >= 1, got {micro_batch_size!r}")
