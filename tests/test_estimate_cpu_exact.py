@@ -257,3 +257,41 @@ def test_a_block_an_earlier_profile_left_behind_is_not_this_steps_free() -> None
         y = torch.empty(500)  # 2000 B
         del x, y
     assert profile_peak(prof, 0) == 3000
+
+
+def test_a_garbage_collection_during_a_kernels_replay_is_not_its_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cyclic garbage holding a CPU tensor made under the probe's profile, collected while a replay is measured,
+    is not that kernel's scratch (NOTE [ No garbage collection inside a measured replay ]): the trace, every
+    storage's bytes included, does not depend on when the collector runs."""
+    import gc
+
+    from trace_compare import canonical
+
+    from batchfit.gpu.catalog import get_device
+    from batchfit.memory.estimate import _trace_for_device
+    from batchfit.memory.kernels import cpu_probe
+    from batchfit.precision import policy_for
+
+    wl = presets.get("gpt", **SHAPES["gpt"])
+    cpu = get_device("cpu")
+    policy = policy_for("fp32", bf16_supported=True, device_name=cpu.name)
+    clean = canonical(_trace_for_device(wl, 2, cpu, policy, ()))
+    marked = cpu_probe.record_function
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me, self.tensor = self, torch.zeros(1000)
+
+    def garbage_then_mark(name: str) -> object:
+        for _ in range(3):
+            Cycle()  # unreachable at once; the collector frees its 4,000 bytes when it next runs
+        return marked(name)
+
+    monkeypatch.setattr(cpu_probe, "record_function", garbage_then_mark)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(2, 1, 1)  # the collector runs on (almost) every allocation of Python objects
+    try:
+        dirty = canonical(_trace_for_device(wl, 2, cpu, policy, ()))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert dirty == clean

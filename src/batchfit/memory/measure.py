@@ -76,10 +76,10 @@ def _allocation_events(prof: Any) -> list[tuple[int, int, int]] | None:
     except (ImportError, AttributeError, RuntimeError):
         return None
     events: list[tuple[int, int, int]] = []
-    stack = list(tree)
+    stack = list(reversed(tree))  # depth first, children in their order: ties keep the recorded order
     while stack:
         node = stack.pop()
-        stack.extend(node.children)
+        stack.extend(reversed(node.children))
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
     events.sort(key=lambda event: event[0])

@@ -38,8 +38,10 @@ Limitations:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +83,26 @@ def _spec(x: Any) -> Any:
     if isinstance(x, torch.Generator):
         return ("G",)
     return x
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a replay is measured (restored after).
+
+    NOTE [ No garbage collection inside a measured replay ]
+    The collector runs when Python allocates, and it does so inside the measured window, when the
+    replay's outputs are wrapped. A cycle it breaks there may hold a CPU tensor made under this profile
+    (by an earlier op of the trace), and that free lowers the window's net: it would show as scratch
+    of whichever op the collector happened to interrupt, so the trace would depend on what the process
+    ran before it. Held off, the window holds the kernel's own events only.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _zeros(spec: Any) -> Any:
@@ -206,7 +228,7 @@ class CpuScratchProbe:
                 # meets a shape, allocating while it does; every later run of that shape, the user's
                 # steps included, reuses it. The measured run is the warm one.
                 func(*args, **kwargs)
-                with record_function(f"{_MARK}{index}"):
+                with _collector_held(), record_function(f"{_MARK}{index}"):
                     out = func(*args, **kwargs)
             except Exception as exc:  # a kernel that refuses synthetic inputs: count no scratch
                 self.failed[key] = f"{type(exc).__name__}: {exc}"[:200]
@@ -271,13 +293,11 @@ class CpuScratchProbe:
 
 
 def _scratch_by_label(prof: Any, marks: Iterable[tuple[Any, str]]) -> dict[Any, int]:
+    """``peak - net`` of the allocator's running sum inside each marked replay: the scratch its kernel freed."""
     events = list(prof.profiler.kineto_results.events())
-    windows = {}
-    for e in events:
-        name = e.name()
-        if name.startswith(_MARK):
-            windows[name] = (e.start_ns(), e.end_ns())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    windows = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name().startswith(_MARK)}
+    # Time order, ties in the profiler's order (an allocation and its free in one tick stay in that order).
+    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
     times = [t for t, _ in memory]
     out = {}
     for key, label in marks:
