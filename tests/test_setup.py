@@ -20,7 +20,8 @@ GPT = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=72, seq_len=
 def test_a_setup_is_one_value_whatever_its_spelling() -> None:
     assert Setup(precision="BF16", checkpointing=True) == Setup(precision="bf16", checkpointing="blocks")
     assert Setup(checkpointing=[Block]) == Setup(checkpointing=(Block,))
-    assert Setup(checkpointing=False) == Setup()
+    assert Setup(checkpointing=False) == Setup() == Setup(checkpointing=0)
+    assert Setup(checkpointing=3) == Setup(checkpointing=[2, 0, 1, 1]) == Setup(checkpointing=(0, 1, 2))
     assert len({Setup(checkpointing=[Block]), Setup(checkpointing=(Block,))}) == 1  # hashable: a cache key part
     assert Setup.of(None) == Setup() and Setup.of(Setup("fp16"), precision=None).precision == "fp16"
     assert Setup.of(Setup("fp16", "blocks"), precision="bf16") == Setup("bf16", "blocks")
@@ -31,7 +32,10 @@ def test_a_setup_is_one_value_whatever_its_spelling() -> None:
     [
         (dict(precision="fp8"), "unknown precision 'fp8'; use one of fp32, bf16, fp16, bf16-true"),
         (dict(checkpointing="everything"), "unknown checkpointing 'everything'; use 'blocks', 'reentrant'"),
-        (dict(checkpointing=[int]), "checkpointing must be 'blocks', 'reentrant' or a list of nn.Module classes"),
+        (dict(checkpointing=[int]), "checkpointing must be 'blocks', 'reentrant', a number of blocks, a list of block "
+                                    "indices or a list of nn.Module classes"),
+        (dict(checkpointing=-1), "checkpointing=-1 blocks: pass a number >= 0 (the first k blocks are checkpointed)"),
+        (dict(checkpointing=[2, -1]), "checkpointing=[2, -1]: block indices count from 0 (the first block)"),
         (dict(accumulation_steps=0), "accumulation_steps must be a whole number >= 1, got 0"),
         (dict(accumulation_steps=True), "accumulation_steps must be a whole number >= 1, got True"),
         (dict(parallel=2), "parallel must be a batchfit.ParallelLayout, got int"),

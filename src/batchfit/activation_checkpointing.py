@@ -3,7 +3,8 @@
 Used the same way by the estimator (on fake tensors) and the trainer (on real ones), so that what is
 estimated is what runs. A transformers model is checkpointed the way its own training turns it on
 (NOTE [ Checkpointing a transformers model as it checkpoints itself ]); any other module's blocks get
-their ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint``.
+their ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint``. Some of the blocks can be
+checkpointed instead of all (NOTE [ Checkpointing some blocks ]).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch import nn
@@ -19,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import ConfigError
 
-Checkpointing = bool | str | Sequence[type[nn.Module]] | None
+Checkpointing = bool | int | str | Sequence[type[nn.Module]] | Sequence[int] | None
 
 
 class UseReentrant(nn.Module):
@@ -38,12 +40,73 @@ class NonReentrant(nn.Module):
     is then told so, where without a marker it keeps its own default (True before transformers 5.0)."""
 
 
+# NOTE [ Checkpointing some blocks ]
+# Checkpointing every block recomputes the whole forward in backward (about a third more compute per
+# step) when often a few blocks' saved activations are all that stands between a batch and the
+# memory. ``checkpointing=k`` checkpoints the model's first k blocks, ``checkpointing=[0, 5, 9]`` the
+# blocks of those indices: blocks are numbered in the order ``model.modules()`` meets them (the
+# outermost module of a checkpointed class, as ``apply_checkpointing`` wraps them: for a decoder,
+# layer i is block i). The first k, not k spread over the stack: every block's saved activations are
+# alive together at the end of the forward either way, but backward recomputes a block only when it
+# reaches it, and it reaches the first blocks last, when the later blocks' activations are freed; a
+# recomputed last block would add its activations at the very peak, when backward starts.
+#
+# The selection travels as a marker class among the checkpointed classes (``Only``, made by
+# ``only_blocks``), like ``UseReentrant``: it reaches the trace, the measurement, the trainer and every
+# cache key without a parameter of its own. A transformers model is first checkpointed as it does it
+# itself, then its unchosen layers' ``gradient_checkpointing`` flags are turned off (the per-layer switch
+# of its ``GradientCheckpointingLayer``), which keeps everything else its own switch does (the hook that
+# makes the embeddings' output require grad).
+
+
+class Only(nn.Module):
+    """A marker among the checkpointed classes (never built): only the blocks numbered ``blocks`` are checkpointed.
+
+    Made by ``only_blocks``, one class per selection (so a selection is part of every key the classes are);
+    its name says the selection, and ``pickle`` finds it by that name in any process (``__getattr__`` below).
+    """
+
+    blocks: tuple[int, ...] = ()
+
+
+_PREFIX = "Only_blocks_"
+
+
+@functools.cache
+def only_blocks(blocks: tuple[int, ...]) -> type[Only]:
+    """The ``Only`` marker of the block indices ``blocks`` (sorted, distinct, >= 0)."""
+    name = _PREFIX + "_".join(map(str, blocks))
+    return type(name, (Only,), {"blocks": tuple(blocks), "__module__": __name__, "__qualname__": name})
+
+
+def __getattr__(name: str) -> Any:
+    """The ``Only`` markers by name (what ``pickle`` looks up), made on first use in this process."""
+    if name.startswith(_PREFIX):
+        digits = name[len(_PREFIX) :].split("_") if name != _PREFIX else []
+        if all(d.isdigit() for d in digits):
+            return only_blocks(tuple(int(d) for d in digits))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def selected_blocks(classes: tuple[type, ...]) -> tuple[int, ...] | None:
+    """The block indices an ``Only`` marker among ``classes`` selects; None: every block."""
+    for c in classes:
+        if isinstance(c, type) and issubclass(c, Only):
+            return c.blocks
+    return None
+
+
 _MARKERS = (UseReentrant, NonReentrant)
+
+
+def _is_marker(c: type) -> bool:
+    return c in _MARKERS or (isinstance(c, type) and issubclass(c, Only))
 
 
 def with_reentrant(blocks: tuple[type[nn.Module], ...], reentrant: bool) -> tuple[type[nn.Module], ...]:
     """``blocks`` checkpointed with ``use_reentrant`` asked for: its marker in place of any other."""
-    return (*(b for b in blocks if b not in _MARKERS), UseReentrant if reentrant else NonReentrant)
+    kept = (b for b in blocks if b not in _MARKERS)
+    return (*kept, UseReentrant if reentrant else NonReentrant)
 
 
 def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Module], ...]) -> tuple[type, ...]:
@@ -52,7 +115,8 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     Args:
         checkpointing: None/False (none), True or ``"blocks"`` (the workload's blocks, checkpointed as
             the workload's training does), ``"reentrant"`` (the same blocks with ``use_reentrant=True``),
-            or a list of module classes (for user models).
+            a list of module classes (for user models), a number k (the first k of the workload's blocks)
+            or a list of block indices (those blocks: NOTE [ Checkpointing some blocks ]).
         blocks: the workload's ``checkpoint_blocks``.
 
     Raises:
@@ -61,8 +125,10 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     checkpointing = checked_checkpointing(checkpointing)
     if checkpointing is None:
         return ()
+    if isinstance(checkpointing, tuple) and checkpointing and isinstance(checkpointing[0], int):
+        return (*checkpoint_classes("blocks", blocks), only_blocks(checkpointing))
     if checkpointing in ("blocks", "reentrant"):
-        if not [b for b in blocks if b not in _MARKERS]:
+        if not [b for b in blocks if not _is_marker(b)]:
             raise ConfigError(
                 "this workload names no blocks to checkpoint; pass checkpointing=[YourBlockClass] "
                 "or set Workload(checkpoint_blocks=(YourBlockClass,))"
@@ -74,9 +140,9 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
 
 
 def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
-    """``value`` in one spelling per meaning (False: None, True: ``"blocks"``, a list: a tuple), checked
-    for its shape (whether a workload has the blocks is checked against it, by ``checkpoint_classes``);
-    ``auto`` also allows ``"auto"`` (a plan's choice).
+    """``value`` in one spelling per meaning (False and 0: None, True: ``"blocks"``, a list: a tuple, a number
+    k: the indices of the first k blocks), checked for its shape (whether a workload has the blocks is
+    checked against it, by ``checkpoint_classes``); ``auto`` also allows ``"auto"`` (a plan's choice).
 
     Raises:
         ConfigError: the value is not understood.
@@ -87,15 +153,29 @@ def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
         return "blocks"
     if isinstance(value, str):
         if value not in ("blocks", "reentrant", *(("auto",) if auto else ())):
-            raise ConfigError(f"unknown checkpointing {value!r}; use 'blocks', 'reentrant' or a list of module classes")
+            raise ConfigError(
+                f"unknown checkpointing {value!r}; use 'blocks', 'reentrant', a number of blocks, a list of block "
+                "indices or a list of module classes"
+            )
         return value
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"checkpointing={value} blocks: pass a number >= 0 (the first k blocks are checkpointed)")
+        return tuple(range(value)) or None
     try:
-        classes = tuple(value)
+        items = tuple(value)
     except TypeError:
-        classes = ()
-    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise ConfigError("checkpointing must be 'blocks', 'reentrant' or a list of nn.Module classes")
-    return classes
+        items = ()
+    if items and all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        if min(items) < 0:
+            raise ConfigError(f"checkpointing={list(items)}: block indices count from 0 (the first block)")
+        return tuple(sorted(set(items)))
+    if not items or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in items):
+        raise ConfigError(
+            "checkpointing must be 'blocks', 'reentrant', a number of blocks, a list of block indices or a list of "
+            "nn.Module classes"
+        )
+    return items
 
 
 def model_layers(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -140,16 +220,20 @@ def _quietly(call: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _enable_in_transformers(
-    model: nn.Module, classes: tuple[type, ...], reentrant: bool | None
-) -> tuple[set[int], int]:
+    model: nn.Module, classes: tuple[type, ...], reentrant: bool | None, per_layer: bool
+) -> tuple[set[int], set[int]]:
     """Turn checkpointing on through each outermost transformers model whose layers are all in ``classes``;
-    the ids of the modules it covers (left alone by the block wrapper), and how many layers it checkpoints."""
+    the ids of the modules it covers (left alone by the block wrapper) and of the layers it checkpoints.
+    ``per_layer``: only models whose layers each have their own switch (``GradientCheckpointingLayer``)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
-        return set(), 0
+        return set(), set()
+    switch: Any = None
+    with contextlib.suppress(ImportError):  # transformers < 4.52: one switch per model
+        from transformers.modeling_layers import GradientCheckpointingLayer as switch
     covered: set[int] = set()
-    layers_on = 0
+    on: set[int] = set()
     for module in model.modules():
         if id(module) in covered or not isinstance(module, PreTrainedModel):
             continue
@@ -158,6 +242,9 @@ def _enable_in_transformers(
         layers = model_layers(module)
         if not layers or not set(layers) <= set(classes):
             continue
+        found = [m for m in module.modules() if isinstance(m, layers)]
+        if per_layer and (switch is None or not all(isinstance(m, switch) for m in found)):
+            continue  # its blocks are wrapped below, one by one
         enable = getattr(module, "activation_checkpointing_enable", None) or module.gradient_checkpointing_enable
         kwargs = None if reentrant is None else {"use_reentrant": reentrant}  # None: transformers' own default
         try:
@@ -165,8 +252,8 @@ def _enable_in_transformers(
         except (ValueError, TypeError, NotImplementedError):
             continue  # a model that refuses: its blocks are wrapped below instead
         covered.update(id(m) for m in module.modules())
-        layers_on += sum(isinstance(m, layers) for m in module.modules())
-    return covered, layers_on
+        on.update(id(m) for m in found)
+    return covered, on
 
 
 def _checkpointed_forward(forward: Any, reentrant: bool, *args: Any, **kwargs: Any) -> Any:
@@ -178,7 +265,8 @@ def _checkpointed_forward(forward: Any, reentrant: bool, *args: Any, **kwargs: A
 
 
 def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
-    """Checkpoint every outermost module of ``classes``; returns how many are checkpointed.
+    """Checkpoint every outermost module of ``classes`` (or the ones an ``Only`` marker among them selects:
+    NOTE [ Checkpointing some blocks ]); returns how many are checkpointed.
 
     A transformers model whose layers are all among ``classes`` checkpoints itself (NOTE [ Checkpointing
     a transformers model as it checkpoints itself ]). Elsewhere a block nested inside another checkpointed
@@ -187,29 +275,39 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     """
     reentrant = UseReentrant in classes
     asked = True if reentrant else (False if NonReentrant in classes else None)
-    classes = tuple(c for c in classes if c not in _MARKERS)
+    chosen = selected_blocks(classes)
+    classes = tuple(c for c in classes if not _is_marker(c))
     if not classes:
         return 0
-    covered, wrapped = _enable_in_transformers(model, classes, asked)
+    covered, layers = _enable_in_transformers(model, classes, asked, per_layer=chosen is not None)
+    checkpointed = 0
+    for index, block in enumerate(checkpoint_blocks_of(model, classes, covered, layers)):
+        if chosen is not None and index not in chosen:
+            if id(block) in layers:
+                block.gradient_checkpointing = False  # its model's switch turned it on with the others
+            continue
+        if id(block) not in layers:
+            block.forward = functools.partial(_checkpointed_forward, block.forward, reentrant)  # type: ignore[method-assign]
+        checkpointed += 1
+    return checkpointed
 
-    def wrap(module: nn.Module) -> None:
-        nonlocal wrapped
-        module.forward = functools.partial(_checkpointed_forward, module.forward, reentrant)  # type: ignore[method-assign]
-        wrapped += 1
+
+def checkpoint_blocks_of(
+    model: nn.Module,
+    classes: tuple[type, ...],
+    covered: AbstractSet[int] = frozenset(),
+    layers: AbstractSet[int] = frozenset(),
+) -> list[nn.Module]:
+    """The blocks checkpointing ``classes`` numbers, in order: each outermost module of ``classes`` (a layer a
+    transformers model checkpoints itself, among ``covered``, counts as one; other modules it covers do not)."""
+    out: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
+        if id(module) in layers or (id(module) not in covered and isinstance(module, classes)):
+            out.append(module)
+            return
         for child in module.children():
-            if id(child) in covered:
-                continue
-            if isinstance(child, classes):
-                wrap(child)
-            else:
-                visit(child)
+            visit(child)
 
-    if id(model) in covered:
-        return wrapped
-    if isinstance(model, classes):
-        wrap(model)
-        return 1
     visit(model)
-    return wrapped
+    return out

@@ -103,6 +103,11 @@ class DepthCut:
         """Know the model's stacks before it is built, where a build on ``meta`` shows them."""
         self.plan = plan_cut(workload, param_dtype)
 
+    def decline(self, reason: str) -> None:
+        """No cut for this step: it is traced at full depth, and its estimate says ``reason``."""
+        self.plan = None
+        self.reasons.append(reason)
+
     def building(self) -> contextlib.AbstractContextManager:
         """The context to build the model in: the dropped blocks constructed empty, as planned."""
         return self.plan.skipping() if self.plan is not None else contextlib.nullcontext()

@@ -1,0 +1,117 @@
+"""Checkpointing some blocks (NOTE [ Checkpointing some blocks ] in ``activation_checkpointing.py``): the first k
+blocks or blocks by index, exact on the CPU for a decoder, an encoder, an encoder-decoder and a CNN; a
+transformers model keeps its own switch (the unchosen layers' flags off); training with it computes the
+unchecked run's losses and gradients."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from zoo import BY_NAME, deeper
+
+import batchfit
+from batchfit import presets
+from batchfit.activation_checkpointing import (
+    apply_checkpointing,
+    checkpoint_blocks_of,
+    checkpoint_classes,
+    only_blocks,
+    selected_blocks,
+)
+from batchfit.memory.measure import measure_cpu_peak
+from batchfit.models import hf
+from batchfit.sources import as_workload
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+needs_hf = pytest.mark.skipif(not hf.available(), reason="needs transformers")
+
+
+def _zoo(name: str, layers: int = 4) -> batchfit.Workload:
+    return as_workload(deeper(BY_NAME[name].make, layers)())
+
+
+CASES = {
+    "gpt": lambda: presets.get("gpt", n_layer=4, n_embd=32, n_head=2, vocab_size=96, seq_len=64),
+    "cnn": lambda: presets.get("cnn", image_size=16, width=4, stages=3, blocks=2),
+    "llama": lambda: _zoo("llama-gqa"),
+    "bert": lambda: _zoo("bert"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[needs_hf] if n in ("llama", "bert") else []) for n in CASES])
+def test_some_blocks_checkpointed_are_the_allocators_peak(name: str) -> None:
+    wl = CASES[name]()
+    first, spread = (batchfit.estimate(wl, 2, device="cpu", checkpointing=ck) for ck in (1, [1, 3]))
+    assert first.peak_allocated_bytes == measure_cpu_peak(wl, 2, checkpointing=1)
+    assert spread.peak_allocated_bytes == measure_cpu_peak(wl, 2, checkpointing=[1, 3])
+    assert first.checkpointing and spread.checkpointing
+    assert first.peak_allocated_bytes != spread.peak_allocated_bytes  # the selection is what runs
+    assert "traced at full depth (no depth synthesis): some blocks are checkpointed, not all" in first.notes
+
+
+def test_some_blocks_save_some_of_what_every_block_saves() -> None:
+    wl = CASES["gpt"]()
+    peaks = [batchfit.estimate(wl, 4, device="A100-80GB", checkpointing=ck).peak_allocated_bytes
+             for ck in (None, 1, 2, 3, "blocks")]  # fmt: skip
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 5
+
+
+def test_the_first_k_blocks_peak_no_higher_than_k_blocks_that_recompute_the_last_one() -> None:
+    """Every selection of k blocks keeps the same activations alive at the end of the forward; one that holds the
+    last block recomputes it when backward starts, at the peak (NOTE [ Checkpointing some blocks ])."""
+    wl = presets.get("gpt", n_layer=6, n_embd=64, n_head=2, vocab_size=96, seq_len=32)
+    peak = {ck: batchfit.estimate(wl, 8, device="A100-80GB", checkpointing=ck).peak_allocated_bytes
+            for ck in ((0, 1, 2), (0, 2, 4), (3, 4, 5))}  # fmt: skip
+    assert peak[(0, 1, 2)] <= peak[(0, 2, 4)] < peak[(3, 4, 5)]
+
+
+@needs_hf
+def test_a_transformers_model_keeps_its_switch_with_only_the_chosen_layers_on() -> None:
+    wl = _zoo("llama-gqa")
+    model = wl.build_model()
+    classes = checkpoint_classes([0, 2], wl.checkpoint_blocks)
+    assert selected_blocks(classes) == (0, 2)
+    assert apply_checkpointing(model, classes) == 2
+    layers = checkpoint_blocks_of(model, wl.checkpoint_blocks)
+    assert [m.gradient_checkpointing for m in layers] == [True, False, True, False]
+    assert all("forward" not in vars(m) for m in layers)  # flagged by transformers' switch, not wrapped
+
+
+def test_a_selection_is_one_marker_that_pickles_by_name() -> None:
+    marker = only_blocks((0, 1, 2))
+    assert marker is only_blocks((0, 1, 2)) and marker is not only_blocks((0, 1))
+    assert pickle.loads(pickle.dumps(marker)) is marker
+    assert checkpoint_classes(3, (torch.nn.Linear,)) == (torch.nn.Linear, marker)
+    assert checkpoint_classes(0, (torch.nn.Linear,)) == ()
+
+
+def test_training_with_some_blocks_checkpointed_is_the_unchecked_run() -> None:
+    """Two optimizer steps of a float64 model with blocks 0 and 2 checkpointed: the same losses and gradients, to the
+    bit, as without checkpointing."""
+    wl = presets.get("gpt", n_layer=4, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
+    torch.manual_seed(0)
+    plain = wl.build_model().double()
+    partial = copy.deepcopy(plain)
+    assert apply_checkpointing(partial, checkpoint_classes([0, 2], wl.checkpoint_blocks)) == 2
+    runs = []
+    for model in (plain, partial):
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, grads = [], []
+        for step in range(2):
+            torch.manual_seed(step)
+            total, tokens = wl.loss(model, wl.batch(3))  # summed over the tokens (batchfit's token-level loss)
+            loss = total / tokens
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((losses, grads))
+    (losses_a, grads_a), (losses_b, grads_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b))
+    assert all(torch.equal(a, b) for ga, gb in zip(grads_a, grads_b) for a, b in zip(ga, gb))
