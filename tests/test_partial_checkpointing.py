@@ -115,3 +115,48 @@ def test_training_with_some_blocks_checkpointed_is_the_unchecked_run() -> None:
     (losses_a, grads_a), (losses_b, grads_b) = runs
     assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b))
     assert all(torch.equal(a, b) for ga, gb in zip(grads_a, grads_b) for a, b in zip(ga, gb))
+
+
+# -- a plan checkpoints the fewest blocks its micro-batch needs ----------------------------------------------------
+LONG = presets.get("gpt", n_layer=6, n_embd=64, n_head=2, vocab_size=128, seq_len=1024)
+"""Activations large beside the allocator's 2 MiB segments: one block checkpointed more or less shows."""
+
+
+def _just_short_of_one_plain_item() -> batchfit.Device:
+    """A GPU (no context) one byte short of one item without checkpointing: the plan must checkpoint."""
+    from batchfit import SimulatedDevice
+
+    plain = batchfit.estimate(LONG, 1, device=SimulatedDevice("1GiB").device).device_total_bytes
+    return SimulatedDevice(f"{plain - 1}B").device
+
+
+def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_beside_it() -> None:
+    dev = _just_short_of_one_plain_item()
+    p = batchfit.plan(LONG, 4, device=dev, precision="fp32")
+    k = p.checkpointed_blocks
+    assert p.checkpointing and k is not None and 0 < k < 6
+    assert p.remedies == (f"activation checkpointing of {k} of 6 blocks",) and p.checkpointing_setting == k
+    capacity = p.headroom_bytes + p.estimate.device_total_bytes  # what the plan's fit kept room for
+    at = {ck: batchfit.estimate(LONG, p.micro_batch_size, device=dev, checkpointing=ck,
+                                accumulation_steps=p.accumulation_steps).device_total_bytes
+          for ck in (k - 1, k)}  # fmt: skip
+    assert at[k] == p.estimate.device_total_bytes <= capacity < at[k - 1]  # the fewest: one fewer does not fit
+    every = next(o for o in p.alternatives if o.remedies == ("activation checkpointing",))
+    assert every.checkpointed_blocks is None and every.predicted_step_s > p.predicted_step_s  # more recompute
+
+
+def test_the_trainer_runs_the_plans_blocks_within_the_gpu() -> None:
+    from batchfit import SimulatedDevice
+    from batchfit.train.trainer import Trainer
+
+    gpu = SimulatedDevice(_just_short_of_one_plain_item().total_bytes)
+    torch.manual_seed(0)
+    model = LONG.build_model()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), LONG.loss, global_batch_size=4,
+                      device=gpu, workload=LONG)  # fmt: skip
+    trainer.step(LONG.batch(4))
+    k = trainer.plan.checkpointed_blocks
+    assert k is not None and 0 < k < 6
+    wrapped = [i for i, m in enumerate(checkpoint_blocks_of(model, LONG.checkpoint_blocks)) if "forward" in vars(m)]
+    assert wrapped == list(range(k))
+    assert gpu.stats().num_ooms == 0 and gpu.stats().peak_reserved_bytes <= gpu.device.total_bytes

@@ -21,6 +21,7 @@ from ..memory.estimate import Estimate, cached_trace, finish_estimate, trace_for
 from ..memory.states import state_bytes
 from ..memory.synthesis.scaling import TraceLine
 from ..memory.synthesis.sharding import shard_trace
+from ..memory.trace.tracer import MemoryTrace
 from ..workload import Setup, Workload
 from .cost import predict_step_time
 from .fit import FitResult, fit
@@ -51,6 +52,8 @@ class PlanOption:
     tensor_parallel: int = 1
     """GPUs of one tensor-parallel group (1: none); the micro-batch is per group."""
     sequence_parallel: bool = False
+    checkpointed_blocks: int | None = None
+    """With ``checkpointing``: the first this many blocks are checkpointed; None: every block."""
 
 
 def _by_time(option: PlanOption) -> float:
@@ -189,30 +192,40 @@ def _may_fit_whole(
 def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
     """A fitted configuration as a plan option, with its predicted time per global batch."""
     result, config = fitted.result, fitted.config
-    splits = plan_splits(config, global_batch_size, gpus, result.max_batch_size)
-    micro = max(max(s) for s in splits)
+    micro = max(max(s) for s in plan_splits(config, global_batch_size, gpus, result.max_batch_size))
+    return timed_option(config, fitted.workload, dev, gpus, global_batch_size, interconnect, result.max_batch_size,
+                        result.trace_at(micro), result.estimate.device_total_bytes, result.capacity_bytes,
+                        config.remedies)  # fmt: skip
+
+
+def timed_option(
+    config: Rung, wl: Workload, dev: Device, gpus: int, global_batch_size: int, interconnect: str, max_micro: int,
+    trace: MemoryTrace | None, total: int, capacity: int, remedies: tuple[str, ...],
+) -> PlanOption:  # fmt: skip
+    """``config`` with the global batch split at micro-batches of at most ``max_micro`` items, as a plan option:
+    ``total`` bytes of ``capacity`` and, from ``trace`` (the largest micro-batch's step; None: no time), its
+    predicted time per global batch."""
+    splits = plan_splits(config, global_batch_size, gpus, max_micro)
     steps = max(len(s) for s in splits)
-    trace = result.trace_at(micro)
     seconds = None
     if trace is not None:
-        states = state_bytes(fitted.workload, config.setup.policy(dev).param_dtype)
+        states = state_bytes(wl, config.setup.policy(dev).param_dtype)
         seconds = predict_step_time(
             trace, dev, precision=config.precision, micro_batches=steps, gpus=gpus, sharded=config.sharded,
             interconnect=interconnect, state_bytes=states.as_tuple(), tensor_parallel=config.tensor_parallel,
         ).total_s  # fmt: skip
-    total = result.estimate.device_total_bytes
     return PlanOption(
         precision=config.precision,
         checkpointing=config.checkpointing is not None,
         sharded=config.sharded,
-        max_micro_batch_size=result.max_batch_size,
-        micro_batch_size=micro,
+        max_micro_batch_size=max_micro,
+        micro_batch_size=max(max(s) for s in splits),
         accumulation_steps=steps,
         device_total_bytes=total,
-        headroom_bytes=result.capacity_bytes - total,
-        remedies=config.remedies,
+        headroom_bytes=capacity - total,
+        remedies=remedies,
         predicted_step_s=seconds,
-        changes_numerics=config.precision == "bf16-true" and "bf16 weights and optimizer states" in config.remedies,
+        changes_numerics=config.precision == "bf16-true" and "bf16 weights and optimizer states" in remedies,
         tensor_parallel=config.tensor_parallel,
         sequence_parallel=config.sequence_parallel,
     )

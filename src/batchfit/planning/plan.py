@@ -26,7 +26,7 @@ from ..batching import check_batch_size, rank_shares
 from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.cache import CACHE
-from ..memory.estimate import Estimate
+from ..memory.estimate import Estimate, trace_for_device
 from ..memory.trace.fake_step import fake_model
 from ..memory.trace.tp_plan import degree_error, split_facts
 from ..sources import as_workload
@@ -34,7 +34,18 @@ from ..workload import AUTO, ParallelLayout, Setup, Workload
 from .cost import link_gbps
 from .ladder import Rung, ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
-from .options import PlanOption, _by_time, _could_fit, _fit_config, _Fitted, _option, fit_estimate_at, plan_splits
+from .options import (
+    PlanOption,
+    _by_time,
+    _could_fit,
+    _fit_config,
+    _Fitted,
+    _option,
+    fit_estimate_at,
+    plan_splits,
+    timed_option,
+)
+from .partial import fewest_blocks
 from .workers import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
@@ -84,6 +95,16 @@ class Plan:
     has one entry per group, and FSDP shards across them when there are several."""
     sequence_parallel: bool = False
     """The blocks' activations are split along the sequence inside each tensor-parallel group."""
+    checkpointed_blocks: int | None = None
+    """With ``checkpointing``: the first this many blocks are checkpointed, the fewest the micro-batch needs
+    (NOTE [ Checkpointing only what the micro-batch needs ]); None: every block."""
+
+    @property
+    def checkpointing_setting(self) -> int | str | None:
+        """What ``checkpointing=`` takes for this plan's step: None, ``"blocks"`` or the number of blocks."""
+        if not self.checkpointing:
+            return None
+        return "blocks" if self.checkpointed_blocks is None else self.checkpointed_blocks
 
     @property
     def data_parallel(self) -> int:
@@ -126,6 +147,7 @@ class Plan:
             "tensor_parallel": self.tensor_parallel,
             "sequence_parallel": self.sequence_parallel,
             "data_parallel": self.data_parallel,
+            "checkpointed_blocks": self.checkpointed_blocks,
         }
 
 
@@ -212,7 +234,8 @@ def plan(
     link_gbps(dev, interconnect)  # an unknown interconnect fails here, not after the fits
     setup = _plan_setup(setup, precision, checkpointing)
     rungs = _rungs(wl, dev, gpus, setup, tensor_parallel, sequence_parallel, gpus_per_node)
-    walk = _Walk(wl, dev, gpus, global_batch_size, margin, interconnect, progress)
+    walk = _Walk(wl, dev, gpus, global_batch_size, margin, interconnect, progress,
+                 choose_blocks=setup.checkpointing == AUTO)  # fmt: skip
     walk.climb(rungs, resolve_workers(workers))
     if walk.chosen is None:
         raise _nothing_fits(wl, dev, gpus, rungs)
@@ -261,6 +284,8 @@ class _Walk:
     margin: float
     interconnect: str
     progress: Callable[[str], None] | None
+    choose_blocks: bool = False
+    """Checkpointing is the plan's choice: a rung that checkpoints every block may keep fewer."""
     chosen: _Fitted | None = None
     options: list[tuple[_Fitted, PlanOption]] = field(default_factory=list)
     failed: list[tuple[Rung, TraceError]] = field(default_factory=list)
@@ -358,7 +383,16 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     if result.known_error:
         warnings += (result.known_error,)
     picked = next(o for f, o in walk.options if f is chosen)
-    alternatives = tuple(sorted((o for f, o in walk.options if f is not chosen), key=_by_time))
+    others = [o for f, o in walk.options if f is not chosen]
+    remedies, blocks = config.remedies, None
+    fewer = None
+    if walk.choose_blocks and config.checkpointing == "blocks":
+        fewer = _fewer_blocks(walk, micro, accumulation)
+    if fewer is not None:
+        option, est = fewer
+        others.append(picked)  # every block checkpointed: shown beside it, with its time
+        picked, remedies, blocks = option, option.remedies, option.checkpointed_blocks
+    alternatives = tuple(sorted(others, key=_by_time))
     tokens = wl.tokens_per_item * global_batch_size if wl.tokens_per_item else None
     return Plan(
         global_batch_size=global_batch_size,
@@ -375,7 +409,7 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
         headroom_bytes=result.capacity_bytes - est.device_total_bytes,
         items_per_step=global_batch_size,
         tokens_per_step=tokens,
-        remedies=config.remedies,
+        remedies=remedies,
         alternatives=alternatives,
         warnings=warnings,
         scaled_lr=None if lr is None else lr.lr,
@@ -385,7 +419,33 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
         changes_numerics=picked.changes_numerics,
         tensor_parallel=config.tensor_parallel,
         sequence_parallel=config.sequence_parallel,
+        checkpointed_blocks=blocks,
     )
+
+
+def _fewer_blocks(walk: _Walk, micro: int, accumulation: int) -> tuple[PlanOption, Estimate] | None:
+    """The chosen rung with the fewest blocks checkpointed that its micro-batch needs, as an option and its
+    estimate at ``micro`` (NOTE [ Checkpointing only what the micro-batch needs ]); None: every block is needed."""
+    chosen = walk.chosen
+    assert chosen is not None
+    config, wl = chosen.config, chosen.workload
+    shards = config.arithmetic_shards(walk.gpus)
+    fewest = fewest_blocks(wl, walk.dev, config.setup, shards > 1, shards, micro, chosen.result.capacity_bytes,
+                           walk.progress)  # fmt: skip
+    if fewest is None:
+        return None
+    est = fewest.estimate
+    if wl.accumulation_steps > 1 < accumulation:
+        est = dataclasses.replace(est, accumulation_steps=accumulation)
+    partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.blocks))
+    remedies = tuple(f"activation checkpointing of {fewest.blocks} of {fewest.of} blocks"
+                     if r == "activation checkpointing" else r for r in config.remedies)  # fmt: skip
+    setup = partial.setup
+    trace = trace_for_device(setup.workload(wl), micro, walk.dev, setup.policy(walk.dev), setup.classes(wl))
+    option = timed_option(partial, wl, walk.dev, walk.gpus, walk.global_batch_size, walk.interconnect,
+                          chosen.result.max_batch_size, trace, est.device_total_bytes, chosen.result.capacity_bytes,
+                          remedies)  # fmt: skip
+    return dataclasses.replace(option, checkpointed_blocks=fewest.blocks), est
 
 
 def _split_after_whole(config: Rung, before: list[Rung]) -> bool:
