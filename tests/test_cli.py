@@ -69,6 +69,20 @@ def test_accumulation_steps_reach_the_api_and_bad_values_are_one_line(capsys, co
     assert code == 2 and err.strip().count("\n") == 0 and "--accumulation-steps must be a whole number >= 1" in err
 
 
+def test_some_blocks_checkpointed_reach_the_api(capsys) -> None:
+    gpt = ["gpt", "--device", "A100-40GB", "--set", "n_layer=4", "--set", "n_embd=32", "--set", "n_head=2",
+           "--seq-len", "64", "--json"]  # fmt: skip
+    code, out, err = _run(capsys, "estimate", *gpt, "-b", "2", "--checkpoint-blocks", "0,2")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["checkpointing"] and got["checkpointed_blocks"] == [0, 2]
+    wl = batchfit.presets.get("gpt", n_layer=4, n_embd=32, n_head=2, seq_len=64)
+    api = batchfit.estimate(wl, 2, device="A100-40GB", checkpointing=[0, 2])
+    assert got["device_total_bytes"] == api.device_total_bytes
+    code, out, err = _run(capsys, "estimate", *gpt, "-b", "2", "--checkpoint-blocks", "3")
+    assert code == 0 and json.loads(out)["checkpointed_blocks"] == [0, 1, 2]
+
+
 def test_estimate_table_renders(capsys) -> None:
     code, out, _ = _run(capsys, "estimate", "mlp", "-b", "8", "--device", "T4")
     assert code == 0
@@ -116,6 +130,8 @@ def test_fit_and_plan_json(capsys) -> None:
         (["plan", "mlp", "-g", "8", "--gpus", "0", "--device", "1GiB"], "GPUs"),
         (["fit", "mlp", "--device", "cpu"], "capacity"),
         (["estimate", "nosuchmodule.x:y", "-b", "2"], "nosuchmodule"),
+        (["estimate", "mlp", "-b", "2", "--checkpoint-blocks", "two"], "a number of blocks (12) or block indices"),
+        (["fit", "mlp", "--checkpoint-blocks", "1", "--checkpointing"], "not both"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], fragment: str) -> None:

@@ -67,6 +67,31 @@ SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set n_layer=4.")
 ]
 CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing of blocks.")]
+CheckpointBlocksOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpoint-blocks",
+        help="Checkpoint only some blocks: K (the first K blocks) or block indices such as 0,4,8.",
+    ),
+]
+
+
+def checkpointing(every: bool, some: str | None) -> str | tuple[int, ...] | None:
+    """``--checkpointing`` and ``--checkpoint-blocks`` as ``checkpointing=`` takes them.
+
+    Raises:
+        ConfigError: both given, or blocks that are not a number or a list of indices.
+    """
+    if some is None:
+        return "blocks" if every else None
+    if every:
+        raise ConfigError("give --checkpointing (every block) or --checkpoint-blocks (some blocks), not both")
+    parts = [p.strip() for p in some.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--checkpoint-blocks takes a number of blocks (12) or block indices (0,4,8), got {some!r}")
+    if len(parts) == 1:
+        return tuple(range(int(parts[0]))) or None
+    return tuple(sorted({int(p) for p in parts}))
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 AccumulationOpt = Annotated[
     int,

@@ -14,12 +14,14 @@ Limitations:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
+from ..activation_checkpointing import selected_blocks
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
@@ -83,6 +85,9 @@ class Estimate:
     """The context in one line: its size and its source (``Device.describe_context``)."""
     cudnn_workspace_bytes: int = 0
     """The largest cuDNN convolution workspace of the step (transient; ``memory/kernels/cudnn.py``)."""
+    checkpointed_blocks: tuple[int, ...] | None = None
+    """With ``checkpointing``: the blocks checkpointed, by index (NOTE [ Checkpointing some blocks ] in
+    ``activation_checkpointing.py``); None: every block of the checkpointed classes."""
     paged_optimizer_bytes: int = 0
     """Optimizer states in CUDA unified memory (a paged bitsandbytes optimizer on a GPU): outside the
     caching allocator, so in neither ``peak_allocated_bytes`` nor ``peak_reserved_bytes``; held on the GPU
@@ -248,8 +253,6 @@ def trace_for_device(
     """The trace of ``workload`` at ``batch_size`` with the kernel model of ``device``'s kind, from the
     trace cache when the same step was traced before (``memory/cache/``); ``announce`` is called
     just before a step is traced (not when the cache has it: a progress display names real work)."""
-    import dataclasses
-
     if workload.accumulation_steps > 1 and not device.exact:  # the plain step's, a second micro-batch written in
 
         plain = trace_for_device(with_accumulation(workload, 1), batch_size, device, policy, classes, announce)
@@ -325,7 +328,7 @@ def finish_estimate(
     allocator_capacity: int | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a trace (shared by ``estimate`` and the fitter's predicted traces)."""
-    return estimate_from_trace(
+    est = estimate_from_trace(
         trace,
         workload=workload.name,
         batch_size=batch_size,
@@ -337,13 +340,13 @@ def finish_estimate(
         allocator_capacity=allocator_capacity,
         accumulation_steps=workload.accumulation_steps,
     )
+    blocks = selected_blocks(classes)
+    return est if blocks is None else dataclasses.replace(est, checkpointed_blocks=blocks)
 
 
 def with_accumulation(workload: Workload, accumulation_steps: int | None) -> Workload:
     """``workload`` with ``accumulation_steps`` (checked: a whole number >= 1); None keeps its own."""
     if accumulation_steps is None or accumulation_steps == workload.accumulation_steps:
         return workload
-    import dataclasses
-
     return dataclasses.replace(workload, accumulation_steps=check_batch_size(accumulation_steps, "accumulation_steps"))
 

@@ -27,9 +27,12 @@ def paged_note(paged_bytes: int) -> str:
 
 def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     """Breakdown at the peak, top modules, analytic vs traced, and the device's headroom."""
+    blocks = getattr(est, "checkpointed_blocks", None)
+    checkpointing = " · checkpointing" if est.checkpointing else ""
+    if est.checkpointing and blocks is not None:
+        checkpointing += f" {len(blocks)} block{'s' if len(blocks) != 1 else ''}"
     title = (
-        f"{est.workload} · batch {est.batch_size} · {est.precision}"
-        f"{' · checkpointing' if est.checkpointing else ''}"
+        f"{est.workload} · batch {est.batch_size} · {est.precision}{checkpointing}"
         f"{f' · {est.accumulation_steps} micro-batches per step' if est.accumulation_steps > 1 else ''} · {est.device}"
     )
     breakdown = Table(title=title, title_justify="left")
