@@ -193,7 +193,10 @@ def plan_table(plan: Any) -> Group:
     )
     head.add_row("splits per optimizer step", describe_split(plan.splits, "ranks" if tp == 1 else "groups"))
     head.add_row("precision", plan.precision)
-    head.add_row("activation checkpointing", "yes" if plan.checkpointing else "no")
+    blocks = getattr(plan, "checkpointed_blocks", None)
+    checkpointing = "every block" if blocks is None else f"the first {blocks} blocks"
+    checkpointing = checkpointing if plan.checkpointing else "no"
+    head.add_row("activation checkpointing", checkpointing)
     head.add_row("sharding (FSDP)", "yes" if plan.sharded else "no")
     if tp > 1:
         sp = " + sequence parallel" if plan.sequence_parallel else ""
