@@ -237,9 +237,55 @@ def plan(
     walk = _Walk(wl, dev, gpus, global_batch_size, margin, interconnect, progress,
                  choose_blocks=setup.checkpointing == AUTO)  # fmt: skip
     walk.climb(rungs, resolve_workers(workers))
-    if walk.chosen is None:
+    if walk.chosen is not None:
+        return _plan_of(walk, lr)
+    fused = _fused_loss_walk(walk, rungs, resolve_workers(workers))
+    if fused is None:
         raise _nothing_fits(wl, dev, gpus, rungs)
-    return _plan_of(walk, lr)
+    walk, kind = fused
+    return _with_the_fused_loss(_plan_of(walk, lr), kind)
+
+
+# NOTE [ A fused loss when nothing else fits ]
+# A causal language model's logits are batch x sequence x vocabulary values, and its loss keeps them
+# (and their fp32 upcast and gradient) alive through the loss's backward: at 4096 tokens and a 128k
+# vocabulary, 2 GiB of bf16 logits and twice that in fp32, often the largest tensors of a LoRA step. A
+# fused linear cross-entropy (Liger's, or cut cross-entropy) computes the loss from the hidden states
+# and the head's weight in chunks and never materialises them; it changes no maths (the same loss and
+# gradients up to summation order) and is as fast or faster. When no rung of the ladder fits, the plan
+# walks the ladder again with it, and names the package and the call that turn it on (with what
+# installing it would buy when it is not installed here).
+def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Walk, str] | None:
+    """The walk of ``walk``'s ladder with the loss fused (an installed kind first), or None: the workload is not
+    a causal language model of transformers, its loss is fused already, or nothing fits either way."""
+    from ..sources.fused import KINDS, installed, with_fused_loss
+
+    if walk.wl.config.get("fused_loss") or walk.wl.config.get("task") != "causal-lm":
+        return None
+    kind = next((k for k in KINDS if installed(k)), KINDS[0])
+    try:
+        fused = with_fused_loss(walk.wl, kind)
+    except ConfigError:
+        return None
+    again = dataclasses.replace(walk, wl=fused, chosen=None, options=[], failed=[], traced=False)
+    if again.progress is not None:
+        again.progress(f"nothing fits with the model's own loss: walking the ladder again with a fused loss ({kind})")
+    again.climb(rungs, workers)
+    return None if again.chosen is None else (again, kind)
+
+
+def _with_the_fused_loss(p: Plan, kind: str) -> Plan:
+    """``p`` (planned with the fused ``kind``) saying so: the remedy, and how to turn it on."""
+    from ..sources.fused import HOW, PACKAGES, fused_loss_name, installed
+
+    name = fused_loss_name(kind)
+    module, distribution = PACKAGES[kind]
+    how = f"the plan needs the {name} (the logits are never materialised): {HOW[kind]}"
+    if not installed(kind):
+        how += f"; {module} is not installed here: pip install {distribution}"
+    return dataclasses.replace(p, remedies=(name, *p.remedies), warnings=(how, *p.warnings),
+                               alternatives=tuple(dataclasses.replace(o, remedies=(name, *o.remedies))
+                                                  for o in p.alternatives))  # fmt: skip
 
 
 def _plan_setup(setup: Setup | None, precision: str | None, checkpointing: Checkpointing) -> Setup:

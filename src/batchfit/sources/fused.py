@@ -21,6 +21,26 @@ from ..workload import Workload
 
 KINDS = ("liger", "cce")
 _NAMES = {"liger": "Liger fused linear cross-entropy", "cce": "cut cross-entropy"}
+PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+"""Each kind's module, and the distribution that installs it."""
+HOW = {
+    "liger": "liger_kernel.transformers.apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True) before "
+             "the model is built (or AutoLigerKernelForCausalLM)",
+    "cce": "cut_cross_entropy.transformers.cce_patch(model)",
+}
+"""How a training script turns each kind on."""
+
+
+def fused_loss_name(kind: str) -> str:
+    """The kind's name in words (``Liger fused linear cross-entropy``)."""
+    return _NAMES[kind]
+
+
+def installed(kind: str) -> bool:
+    """Whether ``kind``'s package can be imported here (looked up, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec(PACKAGES[kind][0]) is not None
 
 
 def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
