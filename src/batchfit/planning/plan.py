@@ -26,7 +26,7 @@ from ..batching import check_batch_size, rank_shares
 from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.cache import CACHE
-from ..memory.estimate import Estimate, trace_for_device
+from ..memory.estimate import Estimate, trace_for_device, with_accumulation
 from ..memory.trace.fake_step import fake_model
 from ..memory.trace.tp_plan import degree_error, split_facts
 from ..sources import as_workload
@@ -412,14 +412,24 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     chosen, wl, dev, gpus, global_batch_size = walk.chosen, walk.wl, walk.dev, walk.gpus, walk.global_batch_size
     assert chosen is not None
     result, config, fitted_wl = chosen.result, chosen.config, chosen.workload
-    splits = plan_splits(config, global_batch_size, gpus, result.max_batch_size)
+    picked = next(o for f, o in walk.options if f is chosen)
+    others = [o for f, o in walk.options if f is not chosen]
+    remedies, blocks, split_at = config.remedies, None, result.max_batch_size
+    fewer = _fewer_blocks(walk) if walk.choose_blocks and config.checkpointing == "blocks" else []
+    if fewer:
+        others.append(picked)  # every block checkpointed: shown beside it, with its time
+        (picked, est), *rest = sorted(fewer, key=lambda f: _by_time(f[0]))
+        others += [option for option, _ in rest]
+        remedies, blocks, split_at = picked.remedies, picked.checkpointed_blocks, picked.micro_batch_size
+    splits = plan_splits(config, global_batch_size, gpus, split_at)
     micro = max(max(s) for s in splits)
-    est = result.estimate
-    if micro != result.max_batch_size:
-        shards = config.arithmetic_shards(gpus)
-        est = fit_estimate_at(fitted_wl, dev, config.setup, shards > 1, shards, micro)
+    if not fewer:
+        est = result.estimate
+        if micro != result.max_batch_size:
+            shards = config.arithmetic_shards(gpus)
+            est = fit_estimate_at(fitted_wl, dev, config.setup, shards > 1, shards, micro)
     accumulation = max(len(s) for s in splits)
-    if fitted_wl.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
+    if est.accumulation_steps > 1 < accumulation:  # any count >= 2 traces alike: name the real one
         est = dataclasses.replace(est, accumulation_steps=accumulation)
     warnings = _warnings(wl, micro, global_batch_size, config.data_parallel(gpus)) + tuple(
         f"not considered: {', '.join(c.remedies) or 'fp32'}, whose step failed when traced: {e}" for c, e in walk.failed
@@ -428,16 +438,6 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
         warnings += (expandable_remedy(result.max_batch_size, result.expandable_max_batch_size),)
     if result.known_error:
         warnings += (result.known_error,)
-    picked = next(o for f, o in walk.options if f is chosen)
-    others = [o for f, o in walk.options if f is not chosen]
-    remedies, blocks = config.remedies, None
-    fewer = None
-    if walk.choose_blocks and config.checkpointing == "blocks":
-        fewer = _fewer_blocks(walk, micro, accumulation)
-    if fewer is not None:
-        option, est = fewer
-        others.append(picked)  # every block checkpointed: shown beside it, with its time
-        picked, remedies, blocks = option, option.remedies, option.checkpointed_blocks
     alternatives = tuple(sorted(others, key=_by_time))
     tokens = wl.tokens_per_item * global_batch_size if wl.tokens_per_item else None
     return Plan(
@@ -469,29 +469,35 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     )
 
 
-def _fewer_blocks(walk: _Walk, micro: int, accumulation: int) -> tuple[PlanOption, Estimate] | None:
-    """The chosen rung with the fewest blocks checkpointed that its micro-batch needs, as an option and its
-    estimate at ``micro`` (NOTE [ Checkpointing only what the micro-batch needs ]); None: every block is needed."""
+def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
+    """The chosen rung with the fewest blocks checkpointed that its micro-batch needs, at the micro-batch its split
+    uses and at the next smaller one (fewer items, fewer blocks: which is faster is the cost model's to say), each
+    as an option and its estimate (NOTE [ Checkpointing only what the micro-batch needs ]); empty: every block
+    is needed."""
     chosen = walk.chosen
     assert chosen is not None
-    config, wl = chosen.config, chosen.workload
+    config, result, dev = chosen.config, chosen.result, walk.dev
     shards = config.arithmetic_shards(walk.gpus)
-    fewest = fewest_blocks(wl, walk.dev, config.setup, shards > 1, shards, micro, chosen.result.capacity_bytes,
-                           walk.progress)  # fmt: skip
-    if fewest is None:
-        return None
-    est = fewest.estimate
-    if wl.accumulation_steps > 1 < accumulation:
-        est = dataclasses.replace(est, accumulation_steps=accumulation)
-    partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.blocks))
-    remedies = tuple(f"activation checkpointing of {fewest.blocks} of {fewest.of} blocks"
-                     if r == "activation checkpointing" else r for r in config.remedies)  # fmt: skip
-    setup = partial.setup
-    trace = trace_for_device(setup.workload(wl), micro, walk.dev, setup.policy(walk.dev), setup.classes(wl))
-    option = timed_option(partial, wl, walk.dev, walk.gpus, walk.global_batch_size, walk.interconnect,
-                          chosen.result.max_batch_size, trace, est.device_total_bytes, chosen.result.capacity_bytes,
-                          remedies)  # fmt: skip
-    return dataclasses.replace(option, checkpointed_blocks=fewest.blocks), est
+    micro = max(max(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, result.max_batch_size))
+    sizes = [micro]
+    if micro > 1:
+        sizes.append(max(max(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, micro - 1)))
+    out = []
+    for size in sizes:
+        steps = max(len(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, size))
+        wl = with_accumulation(chosen.workload, 2 if steps > 1 else 1)
+        fewest = fewest_blocks(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress)
+        if fewest is None:
+            continue
+        partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.blocks))
+        remedies = tuple(f"activation checkpointing of {fewest.blocks} of {fewest.of} blocks"
+                         if r == "activation checkpointing" else r for r in config.remedies)  # fmt: skip
+        setup = partial.setup
+        trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
+        option = timed_option(partial, wl, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size, trace,
+                              fewest.estimate.device_total_bytes, result.capacity_bytes, remedies)  # fmt: skip
+        out.append((dataclasses.replace(option, checkpointed_blocks=fewest.blocks), fewest.estimate))
+    return out
 
 
 def _split_after_whole(config: Rung, before: list[Rung]) -> bool:
