@@ -161,3 +161,50 @@ def test_the_trainer_runs_the_plans_blocks_within_the_gpu() -> None:
     wrapped = [i for i, m in enumerate(checkpoint_blocks_of(model, LONG.checkpoint_blocks)) if "forward" in vars(m)]
     assert wrapped == list(range(k))
     assert gpu.stats().num_ooms == 0 and gpu.stats().peak_reserved_bytes <= gpu.device.total_bytes
+
+
+# -- selective checkpointing: matmul outputs kept, the rest recomputed ---------------------------------------------
+@pytest.mark.parametrize("name", [pytest.param("gpt"), pytest.param("llama", marks=[needs_hf])])
+def test_selective_checkpointing_is_the_allocators_peak(name: str) -> None:
+    """Through the block wrapper (gpt) and through a transformers model's own switch (Llama)."""
+    small = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=96, seq_len=32)
+    wl = CASES[name]() if name == "llama" else small
+    est = batchfit.estimate(wl, 2, device="cpu", checkpointing="selective")
+    assert est.peak_allocated_bytes == measure_cpu_peak(wl, 2, checkpointing="selective")
+
+
+def test_selective_checkpointing_saves_less_than_none_and_more_than_every_block() -> None:
+    wl = CASES["gpt"]()
+    peak = {ck: batchfit.estimate(wl, 4, device="A100-80GB", checkpointing=ck).peak_allocated_bytes
+            for ck in (None, "selective", "blocks")}  # fmt: skip
+    assert peak[None] > peak["selective"] > peak["blocks"]
+
+
+def test_a_selectively_checkpointed_step_is_written_at_full_depth_as_traced() -> None:
+    from trace_compare import everything
+
+    from batchfit.gpu.catalog import get_device
+    from batchfit.memory.estimate import _trace_for_device
+    from batchfit.memory.synthesis.depth import STATS
+    from batchfit.precision import policy_for
+
+    wl = presets.get("gpt", n_layer=6, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
+    dev = get_device("A100-80GB")
+    classes = checkpoint_classes("selective", wl.checkpoint_blocks)
+    policy = policy_for("bf16", bf16_supported=True, device_name=dev.name)
+    traces = []
+    for on in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", on)
+            before = STATS.blocks_written
+            traces.append((_trace_for_device(wl, 2, dev, policy, classes), STATS.blocks_written - before))
+    (written, blocks), (traced, _) = traces
+    assert blocks == 6 and everything(written) == everything(traced)
+
+
+def test_selective_checkpointing_refuses_the_reentrant_variant() -> None:
+    from batchfit.activation_checkpointing import Selective, UseReentrant
+
+    model = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=96, seq_len=16).build_model()
+    with pytest.raises(batchfit.ConfigError, match="selective checkpointing runs non-reentrant"):
+        apply_checkpointing(model, (type(model.transformer.h[0]), Selective, UseReentrant))

@@ -96,7 +96,21 @@ def selected_blocks(classes: tuple[type, ...]) -> tuple[int, ...] | None:
     return None
 
 
-_MARKERS = (UseReentrant, NonReentrant)
+# NOTE [ Selective checkpointing ]
+# Between keeping a block's activations and recomputing all of them lies PyTorch's selective activation
+# checkpointing (``create_selective_checkpoint_contexts``, torch >= 2.4): inside a checkpointed block an
+# op policy says which outputs are saved and which recomputed. ``checkpointing="selective"`` keeps the
+# outputs of the matmuls and attention kernels (most of the compute) and recomputes everything else
+# (pointwise ops, norms, activations, dropout masks: most of the memory and little compute), the
+# policy torchtitan and Megatron's selective recompute follow. It runs non-reentrant (SAC needs it), and a
+# transformers model gets the policy through its own switch (``gradient_checkpointing_kwargs``).
+
+
+class Selective(nn.Module):
+    """A marker among the checkpointed classes (never built): checkpoint them selectively (NOTE above)."""
+
+
+_MARKERS = (UseReentrant, NonReentrant, Selective)
 
 
 def _is_marker(c: type) -> bool:
@@ -115,6 +129,7 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     Args:
         checkpointing: None/False (none), True or ``"blocks"`` (the workload's blocks, checkpointed as
             the workload's training does), ``"reentrant"`` (the same blocks with ``use_reentrant=True``),
+            ``"selective"`` (the same blocks, their matmul outputs kept: NOTE [ Selective checkpointing ]),
             a list of module classes (for user models), a number k (the first k of the workload's blocks)
             or a list of block indices (those blocks: NOTE [ Checkpointing some blocks ]).
         blocks: the workload's ``checkpoint_blocks``.
@@ -127,6 +142,8 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
         return ()
     if isinstance(checkpointing, tuple) and checkpointing and isinstance(checkpointing[0], int):
         return (*checkpoint_classes("blocks", blocks), only_blocks(checkpointing))
+    if checkpointing == "selective":
+        return (*checkpoint_classes("blocks", blocks), Selective)
     if checkpointing in ("blocks", "reentrant"):
         if not [b for b in blocks if not _is_marker(b)]:
             raise ConfigError(
@@ -152,10 +169,10 @@ def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
     if value is True:
         return "blocks"
     if isinstance(value, str):
-        if value not in ("blocks", "reentrant", *(("auto",) if auto else ())):
+        if value not in ("blocks", "reentrant", "selective", *(("auto",) if auto else ())):
             raise ConfigError(
-                f"unknown checkpointing {value!r}; use 'blocks', 'reentrant', a number of blocks, a list of block "
-                "indices or a list of module classes"
+                f"unknown checkpointing {value!r}; use 'blocks', 'reentrant', 'selective', a number of blocks, a list "
+                "of block indices or a list of module classes"
             )
         return value
     if isinstance(value, int):
@@ -220,7 +237,7 @@ def _quietly(call: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _enable_in_transformers(
-    model: nn.Module, classes: tuple[type, ...], reentrant: bool | None, per_layer: bool
+    model: nn.Module, classes: tuple[type, ...], kwargs: dict[str, Any] | None, per_layer: bool
 ) -> tuple[set[int], set[int]]:
     """Turn checkpointing on through each outermost transformers model whose layers are all in ``classes``;
     the ids of the modules it covers (left alone by the block wrapper) and of the layers it checkpoints.
@@ -246,7 +263,6 @@ def _enable_in_transformers(
         if per_layer and (switch is None or not all(isinstance(m, switch) for m in found)):
             continue  # its blocks are wrapped below, one by one
         enable = getattr(module, "activation_checkpointing_enable", None) or module.gradient_checkpointing_enable
-        kwargs = None if reentrant is None else {"use_reentrant": reentrant}  # None: transformers' own default
         try:
             _quietly(enable, kwargs)
         except (ValueError, TypeError, NotImplementedError):
@@ -256,7 +272,34 @@ def _enable_in_transformers(
     return covered, on
 
 
-def _checkpointed_forward(forward: Any, reentrant: bool, *args: Any, **kwargs: Any) -> Any:
+def selective_context() -> Any:
+    """The ``context_fn`` of selective checkpointing (NOTE [ Selective checkpointing ]).
+
+    Raises:
+        ConfigError: a torch without selective checkpointing (before 2.4).
+    """
+    try:
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    except ImportError as exc:
+        raise ConfigError("checkpointing='selective' needs torch >= 2.4; use checkpointing='blocks'") from exc
+    import torch
+
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+             "_efficient_attention_forward")  # fmt: skip
+    saved = {getattr(aten, n).default for n in names if hasattr(aten, n) and hasattr(getattr(aten, n), "default")}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _checkpointed_forward(forward: Any, reentrant: bool, context: Any, *args: Any, **kwargs: Any) -> Any:
+    if context is not None:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
     if reentrant:  # the reentrant variant takes no keyword arguments: bind them, as transformers does
         return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
     # Non-reentrant checkpointing: works with keyword arguments, inputs that do not require grad,
@@ -275,11 +318,19 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     """
     reentrant = UseReentrant in classes
     asked = True if reentrant else (False if NonReentrant in classes else None)
+    context = None
+    if Selective in classes:
+        if reentrant:
+            raise ConfigError("selective checkpointing runs non-reentrant; drop use_reentrant=True")
+        context = selective_context()
     chosen = selected_blocks(classes)
     classes = tuple(c for c in classes if not _is_marker(c))
     if not classes:
         return 0
-    covered, layers = _enable_in_transformers(model, classes, asked, per_layer=chosen is not None)
+    kwargs = None if asked is None else {"use_reentrant": asked}  # None: transformers' own default
+    if context is not None:
+        kwargs = {"use_reentrant": False, "context_fn": context}
+    covered, layers = _enable_in_transformers(model, classes, kwargs, per_layer=chosen is not None)
     checkpointed = 0
     for index, block in enumerate(checkpoint_blocks_of(model, classes, covered, layers)):
         if chosen is not None and index not in chosen:
@@ -287,7 +338,7 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
                 block.gradient_checkpointing = False  # its model's switch turned it on with the others
             continue
         if id(block) not in layers:
-            block.forward = functools.partial(_checkpointed_forward, block.forward, reentrant)  # type: ignore[method-assign]
+            block.forward = functools.partial(_checkpointed_forward, block.forward, reentrant, context)  # type: ignore[method-assign]
         checkpointed += 1
     return checkpointed
 
