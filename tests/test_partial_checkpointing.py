@@ -208,3 +208,34 @@ def test_selective_checkpointing_refuses_the_reentrant_variant() -> None:
     model = presets.get("gpt", n_layer=2, n_embd=32, n_head=2, vocab_size=96, seq_len=16).build_model()
     with pytest.raises(batchfit.ConfigError, match="selective checkpointing runs non-reentrant"):
         apply_checkpointing(model, (type(model.transformer.h[0]), Selective, UseReentrant))
+
+
+@needs_hf
+def test_the_hugging_face_trainer_plan_keeps_the_fewest_layers_and_its_callback_applies_them(tmp_path) -> None:
+    """The Trainer turns checkpointing on for every layer; ``BatchfitCallback`` turns it off after the plan's first
+    k when training begins, which is the step the plan estimated."""
+    from hf_tiny import llama_config_dir
+
+    from batchfit import SimulatedDevice
+    from batchfit.integrations.transformers import BatchfitCallback, plan_trainer
+    from batchfit.sources import load
+
+    wl = load(str(llama_config_dir(tmp_path, num_hidden_layers=6, max_position_embeddings=1024)), seq_len=1024)
+    one = batchfit.estimate(wl, 1, device=SimulatedDevice("1GiB").device, precision="fp32").device_total_bytes
+    gpu = SimulatedDevice(f"{one - 1}B")  # one item without checkpointing does not fit
+    p = plan_trainer(wl, 4, device=gpu, precision="fp32")
+    k = p.checkpointed_blocks
+    assert p.checkpointing and k is not None and 0 < k < 6
+    capacity = p.headroom_bytes + p.estimate.device_total_bytes
+    fewer = batchfit.estimate(wl, p.micro_batch_size, device=gpu.device, precision="fp32", checkpointing=k - 1,
+                              accumulation_steps=p.accumulation_steps)  # fmt: skip
+    assert p.estimate.device_total_bytes <= capacity < fewer.device_total_bytes
+    model = wl.build_model()
+    model.gradient_checkpointing_enable()  # what the Trainer does with activation_checkpointing=True
+    BatchfitCallback(p, write=lambda line: None).on_train_begin(
+        type("Args", (), {"world_size": 1, "per_device_train_batch_size": p.micro_batch_size,
+                          "gradient_accumulation_steps": p.accumulation_steps})(),
+        type("State", (), {"is_world_process_zero": True})(), None, model=model,
+    )  # fmt: skip
+    layers = checkpoint_blocks_of(model, wl.checkpoint_blocks)
+    assert [m.gradient_checkpointing for m in layers] == [True] * k + [False] * (6 - k)

@@ -362,3 +362,17 @@ def checkpoint_blocks_of(
 
     visit(model)
     return out
+
+
+def keep_first_blocks(model: nn.Module, classes: tuple[type, ...], blocks: int) -> int:
+    """Turn checkpointing off in every block of ``classes`` after the first ``blocks`` that a transformers model
+    switched on itself (its layers' ``gradient_checkpointing`` flags: what a ``Trainer`` turns on for every layer
+    when a plan needs only the first ``blocks``); returns how many stay checkpointed."""
+    kept = 0
+    for index, block in enumerate(checkpoint_blocks_of(model, tuple(c for c in classes if not _is_marker(c)))):
+        if getattr(block, "gradient_checkpointing", False):
+            if index < blocks:
+                kept += 1
+            else:
+                block.gradient_checkpointing = False
+    return kept

@@ -21,11 +21,13 @@ from ..batching import Batch, batch_size_of, check_batch_size, map_tensors
 from ..errors import ConfigError, DoesNotFitError, MissingExtraError
 from ..gpu.catalog import Device, get_device
 from ..gpu.real_gpu import cuda_device
+from ..memory.estimate import trace_for_device, with_accumulation
 from ..memory.trace.fake_step import real_execution
 from ..planning.estimate import estimate
 from ..planning.plan import plan
 from ..runtime.simulated import SimulatedDevice
 from ..units import format_bytes
+from ..workload import Setup
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -96,10 +98,12 @@ def equal_plan(
     rungs: Sequence[tuple[str, bool]],
     framework: str,
     margin: float = 0.0,
+    choose_blocks: bool = False,
     **plan_kwargs: Any,
 ) -> Any:
     """The first of ``rungs`` (``(precision, checkpointing)``) on which the global batch fits, as a ``Plan``
-    whose every rank runs equal micro-batches.
+    whose every rank runs equal micro-batches; with ``choose_blocks``, a rung that checkpoints keeps the fewest
+    first blocks its micro-batch needs (``Plan.checkpointed_blocks``: the framework's adapter applies them).
 
     Each rung is first checked with one traced step of one item (``one_item_estimate``), then planned by
     ``batchfit.plan`` with its precision and checkpointing fixed; a plan that would need FSDP sharding
@@ -115,8 +119,9 @@ def equal_plan(
     # Planning takes no device memory: outside any dispatch mode the caller has active (a SimulatedDevice
     # entered around the framework's training would otherwise count the trace's fake tensors as its own).
     with real_execution():
-        return _first_fitting(workload, global_batch_size, share, world_size, rungs, framework, device, margin,
-                              plan_kwargs)  # fmt: skip
+        found = _first_fitting(workload, global_batch_size, share, world_size, rungs, framework, device, margin,
+                               plan_kwargs)  # fmt: skip
+        return _with_fewest_blocks(workload, found, plan_device(device)) if choose_blocks else found
 
 
 def _first_fitting(
@@ -164,6 +169,35 @@ def _first_fitting(
         f"{framework} is given here (tried: {tried}; at the last, {why}); try LoRA adapters, sharding over more GPUs "
         "(FSDP/DeepSpeed) or a larger GPU (`batchfit plan` names one)"
     )
+
+
+def _with_fewest_blocks(workload: Workload, found: Any, dev: Device) -> Any:
+    """``found``, when it checkpoints every block, with the fewest first blocks its micro-batch needs
+    (NOTE [ Checkpointing only what the micro-batch needs ] in ``planning/partial.py``), its estimate and time."""
+    from ..memory.states import state_bytes
+    from ..planning.cost import predict_step_time
+    from ..planning.partial import fewest_blocks
+
+    if not found.checkpointing or found.checkpointed_blocks is not None:
+        return found
+    steps = found.accumulation_steps
+    wl = with_accumulation(workload, 2 if steps > 1 else 1)
+    capacity = found.headroom_bytes + found.estimate.device_total_bytes  # Plan: headroom = capacity - total
+    setup = Setup(precision=found.precision, checkpointing="blocks")
+    fewest = fewest_blocks(wl, dev, setup, False, 1, found.micro_batch_size, capacity)
+    if fewest is None:
+        return found
+    setup = Setup(precision=found.precision, checkpointing=fewest.blocks)
+    trace = trace_for_device(wl, found.micro_batch_size, dev, setup.policy(dev), setup.classes(wl))
+    seconds = predict_step_time(
+        trace, dev, precision=found.precision, micro_batches=steps, gpus=found.gpus, sharded=False,
+        interconnect=found.interconnect, state_bytes=state_bytes(wl, setup.policy(dev).param_dtype).as_tuple(),
+    ).total_s  # fmt: skip
+    est = fewest.estimate if steps == 1 else dataclasses.replace(fewest.estimate, accumulation_steps=steps)
+    remedies = tuple(f"activation checkpointing of {fewest.blocks} of {fewest.of} blocks"
+                     if r == "activation checkpointing" else r for r in found.remedies)  # fmt: skip
+    return dataclasses.replace(found, checkpointed_blocks=fewest.blocks, estimate=est, remedies=remedies,
+                               headroom_bytes=capacity - est.device_total_bytes, predicted_step_s=seconds)  # fmt: skip
 
 
 def one_item_estimate(workload: Workload, dev: Device, precision: str, checkpointing: bool) -> Any:

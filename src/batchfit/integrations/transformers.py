@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..activation_checkpointing import keep_first_blocks
 from ..errors import ConfigError
 from ..memory.trace.fake_step import fake_model
 from ..runtime.monitor import MemoryMonitor
@@ -107,6 +108,7 @@ def plan_trainer(
         rungs=rungs,
         framework=FRAMEWORK,
         margin=margin,
+        choose_blocks=fixed is None,  # the plan turned checkpointing on: the fewest layers (BatchfitCallback)
         **plan_kwargs,
     )
 
@@ -208,6 +210,13 @@ def _with_layers(workload: Workload) -> Workload:
     return dataclasses.replace(workload, checkpoint_blocks=checkpoint_layers(fake_model(workload)))
 
 
+def _checkpointing_words(plan: Any) -> str:
+    blocks = getattr(plan, "checkpointed_blocks", None)
+    if not plan.checkpointing:
+        return ""
+    return ", activation checkpointing" + ("" if blocks is None else f" of the first {blocks} layers")
+
+
 # -- while it trains -------------------------------------------------------------------------------
 class BatchfitCallback(TrainerCallback):
     """Prints the plan when training starts, and per logging step the measured peak memory beside the estimate.
@@ -234,13 +243,17 @@ class BatchfitCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         p = self.plan
+        blocks = getattr(p, "checkpointed_blocks", None)
+        model = kwargs.get("model")
+        if blocks is not None and model is not None:  # the Trainer switched every layer on: the plan needs fewer
+            keep_first_blocks(model, checkpoint_layers(model), blocks)
         world = args.world_size
         ran = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         if state.is_world_process_zero:
             self.write(
                 f"batchfit: global batch {p.global_batch_size} = {p.micro_batch_size} per device x "
                 f"{p.accumulation_steps} accumulation x {p.gpus} GPUs on {p.device}, {p.precision}"
-                f"{', activation checkpointing' if p.checkpointing else ''}; estimated peak "
+                f"{_checkpointing_words(p)}; estimated peak "
                 f"{format_bytes(p.estimate.peak_reserved_bytes)} reserved, "
                 f"{format_bytes(p.estimate.device_total_bytes)} with the CUDA context "
                 f"({format_bytes(p.headroom_bytes)} headroom)"
