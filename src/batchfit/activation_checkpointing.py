@@ -119,7 +119,7 @@ def _is_marker(c: type) -> bool:
 
 def with_reentrant(blocks: tuple[type[nn.Module], ...], reentrant: bool) -> tuple[type[nn.Module], ...]:
     """``blocks`` checkpointed with ``use_reentrant`` asked for: its marker in place of any other."""
-    kept = (b for b in blocks if b not in _MARKERS)
+    kept = (b for b in blocks if b not in (UseReentrant, NonReentrant))
     return (*kept, UseReentrant if reentrant else NonReentrant)
 
 
