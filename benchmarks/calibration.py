@@ -355,6 +355,7 @@ def estimate_row(row: Row, *, legacy: bool = True) -> batchfit.Estimate:
     from batchfit.activation_checkpointing import checkpoint_classes
     from batchfit.memory.estimate import estimate_from_trace
     from batchfit.memory.kernels.cuda import CudaKernels, cuda_emulation
+    from batchfit.memory.synthesis.depth import trace_deep
     from batchfit.precision import policy_for
 
     workload = hf_trainer_workload(
@@ -367,17 +368,18 @@ def estimate_row(row: Row, *, legacy: bool = True) -> batchfit.Estimate:
     # What batchfit.estimate runs for a CUDA device, over more micro-steps.
     policy = policy_for(row.precision, bf16_supported=device.bf16, device_name=device.name)
     classes = checkpoint_classes(checkpointing, workload.checkpoint_blocks)
-    trace = trace_workload(
+    trace = trace_deep(lambda depth: trace_workload(
         workload,
         row.batch_size,
         param_dtype=policy.param_dtype,
         autocast=policy.autocast("cpu"),
         checkpoint_classes=classes,
-        kernels=CudaKernels(device),
+        kernels=CudaKernels(device),  # one per trace: a kernel model remembers the workspaces it made
         emulation=cuda_emulation(policy),
         foreach_optimizer=True,
         steps=row.accumulation_steps + 1,
-    )
+        depth=depth,
+    ))  # fmt: skip
     return estimate_from_trace(
         trace, workload=workload.name, batch_size=row.batch_size, device=device,
         precision=policy.precision.value, checkpointing=bool(classes),

@@ -114,7 +114,28 @@ VARIANTS = {
     "llama on the CPU": dict(wl=_llama, device=CPU),
     "bart, checkpointed in bf16": dict(wl=lambda: _zoo("bart"), precision="bf16", checkpointing=True),
     "gpt, paged 32-bit AdamW": dict(wl=lambda: _paged_gpt()),
+    "gpt, gradients clipped (norms stacked)": dict(wl=lambda: _clipping_gpt(foreach=False)),
+    "gpt, gradients clipped with foreach, on the CPU": dict(wl=lambda: _clipping_gpt(foreach=True), device=CPU),
 }
+
+
+def _clipping_gpt(foreach: bool) -> Any:
+    """``clip_grad_norm_`` before each step, as the Hugging Face Trainer does: one norm per parameter, stacked
+    into one tensor whose size grows with the depth (NOTE [ Labelling a trace by block ])."""
+
+    def clipping_adamw(params: Any) -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        step = optimizer.step
+
+        def clipped(closure: Any = None) -> Any:
+            grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, 1.0, foreach=foreach)
+            return step(closure)
+
+        optimizer.step = clipped  # type: ignore[method-assign]
+        return optimizer
+
+    return dataclasses.replace(GPT, optimizer=clipping_adamw)
 
 
 def _paged_gpt() -> Any:

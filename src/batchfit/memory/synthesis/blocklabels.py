@@ -25,7 +25,14 @@ model's other parts (the embedding, the head, the loss), from what the ``Tracer`
 
 An op outside the blocks whose output is computed from several blocks of one stack (a loss over every
 layer's router logits, a norm of all gradients stacked) has a size that depends on the depth: the
-labels say so (``Labels.mixed``) and the trace is not synthesised.
+labels say so (``Labels.mixed``) and the trace is not synthesised. Except for the one such op whose size
+follows from its inputs: ``stack`` or ``cat`` of equal pieces, as many from every kept block, made under
+``no_grad`` (so autograd makes nothing of its size in backward) and read only by ops whose outputs are no
+larger than a piece (reductions): the per-parameter norms ``clip_grad_norm_`` stacks and reduces. Its
+output is the model's other parts' (it is made and freed once), and ``Labels.stacked`` gives the writer
+its pieces, so that it writes the output's size at full depth: one piece more for each piece a written
+block adds. (A CPU kernel's scratch for an op over
+several blocks' tensors is fine too when the kernel allocated none.)
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ Label = tuple[int, int]
 """``(stack, block)``: the stack's index in the recorder's list, the block's index among the kept ones."""
 _NO_MODULE = "no module"
 """The context of an event outside every module."""
+_STACKING = ("aten.stack.", "aten.cat.")
+"""Ops whose output is their inputs side by side: its size follows from theirs (see the NOTE)."""
+_SCRATCH = "cpu scratch of "
+"""How the CPU probe names the scratch of an op (``memory/kernels/cpu_probe.py``)."""
 _UNNUMBERED = 1 << 63
 """Sequence numbers from here up are not a forward's (``AccumulateGrad``'s is the largest integer)."""
 
@@ -62,6 +73,9 @@ class Labels:
     """FLOPs by phase, step and the label of the op that did them."""
     mixed: str = ""
     """Why the step's ops mix blocks outside them (empty: they do not)."""
+    stacked: dict[int, tuple[Label | None, ...]] = field(default_factory=dict)
+    """Storages outside the blocks that stack or concatenate equal pieces of several blocks: the label of each
+    piece (see the NOTE)."""
     loose_flops: list[int] = field(default_factory=list)
     """Where ops outside the blocks did floating-point work: the number of events before each returned."""
 
@@ -81,7 +95,7 @@ class BlockRecorder:
         self._where: list[Any] = []  # per event: a label, None (another module) or _NO_MODULE
         self._owned: dict[int, Label | None] = {}
         self._inputs: dict[int, tuple[int, ...]] = {}  # new storage -> storages it was computed from
-        self._mixing: list[tuple[int, ...]] = []  # outside the blocks: the storages one output read
+        self._mixing: list[tuple[int, tuple[int, ...]]] = []  # outside the blocks: an output, the storages it read
         self._flops: list[tuple[str, int, Any, int]] = []  # (phase, step, label or a storage, flops)
         self._backward: Label | None = None  # the label of the last node that ran
         self._numbers: list[int] = []  # the sequence number at each change of label in a forward
@@ -89,6 +103,7 @@ class BlockRecorder:
         self._next_number = 0
         self._during_op: list[int] = []  # storages a kernel made inside the op running now
         self._loose_flops: list[int] = []  # events so far, after each op outside the blocks with FLOPs
+        self._untracked: set[int] = set()  # storages made under no_grad outside backward: autograd never sees them
 
     def _here(self, tracer: Any) -> Any:
         """The label of what runs now: a block's, None (the other parts) or ``_NO_MODULE``."""
@@ -136,6 +151,8 @@ class BlockRecorder:
             return
         new = [tracer.storage_id(t) for t in outputs]
         new = [s if s is not None and s >= first_new else None for s in new]
+        if not torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
+            self._untracked.update(s for s in new if s is not None)  # under no_grad, outside backward
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)]
         if lists and all(len(a) == len(outputs) for a in lists):  # a _foreach op: output i from inputs i
             for i, sid in enumerate(new):
@@ -159,26 +176,49 @@ class BlockRecorder:
         inputs = tuple(s for s in read if s is not None)
         if here is _NO_MODULE:
             self._inputs[sid] = inputs
-        self._mixing.append(inputs)
+        self._mixing.append((sid, inputs))
 
     def labels(self, trace: MemoryTrace) -> Labels:
         """The labels of ``trace``'s events and storages (see the NOTE)."""
         owner: dict[int, Label | None] = {}
+        stacked: dict[int, tuple[Label | None, ...]] = {}
         mixed = ""
         born_where: dict[int, Any] = {}
         for e, where in zip(trace.events, self._where):
             if e >= 0:
                 born_where[e] = where
 
+        def spans(sid: int, inputs: tuple[int, ...], seen: set[Label]) -> bool:
+            """Whether ``sid`` stacks equal pieces, as many from every kept block (noted in ``stacked``)."""
+            op = trace.op.get(sid, "")
+            if op.startswith(_SCRATCH):  # a CPU kernel's scratch of an op over several blocks' tensors
+                return trace.nbytes.get(sid) == 0  # none, at any depth
+            if not op.startswith(_STACKING) or sid not in self._untracked:
+                return False
+            piece = trace.nbytes.get(inputs[0], 0) if inputs else 0
+            if any(sid in read and trace.nbytes.get(other, 0) > piece for other, read in self._inputs.items()):
+                return False  # something the size of the whole was computed from it: its size is the depth's too
+            pieces = tuple(resolve(s) for s in inputs)
+            per_block: dict[Label, int] = {}
+            for label in pieces:
+                if label is not None:
+                    per_block[label] = per_block.get(label, 0) + 1
+            if len({trace.nbytes.get(s) for s in inputs}) != 1 or len(set(per_block.values())) != 1:
+                return False
+            stacked[sid] = pieces
+            return True
+
         def resolve(sid: int) -> Label | None:
             nonlocal mixed
             if sid in owner:
                 return owner[sid]
+            owner[sid] = None  # while its inputs resolve (an input never depends on its output)
             if sid in self._owned:
                 found = self._owned[sid]
             elif born_where.get(sid) is _NO_MODULE:
-                seen = {resolve(s) for s in self._inputs.get(sid, ())} - {None}
-                if len({s[0] for s in seen}) < len(seen) and not mixed:
+                inputs = self._inputs.get(sid, ())
+                seen = {resolve(s) for s in inputs} - {None}
+                if len({s[0] for s in seen}) < len(seen) and not spans(sid, inputs, seen) and not mixed:
                     mixed = f"an op outside the blocks computed one tensor from {len(seen)} of them"
                 found = next(iter(seen)) if len(seen) == 1 else None
             else:
@@ -186,10 +226,10 @@ class BlockRecorder:
             owner[sid] = found
             return found
 
-        for inputs in self._mixing:
+        for sid, inputs in self._mixing:
             seen = {resolve(s) for s in inputs} - {None}
-            if len({s[0] for s in seen}) < len(seen) and not mixed:
-                mixed = f"an op outside the blocks computed one tensor from {len(seen)} of them"
+            if len({s[0] for s in seen}) < len(seen) and sid not in stacked and not spans(sid, inputs, seen):
+                mixed = mixed or f"an op outside the blocks computed one tensor from {len(seen)} of them"
         events: list[Label | None] = []
         for e, where in zip(trace.events, self._where):
             if where is _NO_MODULE:
@@ -202,7 +242,7 @@ class BlockRecorder:
             label = who if isinstance(who, tuple) else (resolve(who) if isinstance(who, int) else None)
             key = (phase, step, label)
             flops[key] = flops.get(key, 0) + n
-        return Labels(events, owner, flops, mixed, list(self._loose_flops))
+        return Labels(events, owner, flops, mixed, stacked, list(self._loose_flops))
 
 
 def _tensors_in(args: Any) -> list[torch.Tensor]:

@@ -70,10 +70,32 @@ class _Template:
 class _Writer(SweepReader):
     """Writes the full-depth trace from what ``SweepReader`` read."""
 
+    def _stacked_bytes(self, nbytes: int, pieces: tuple[Any, ...]) -> int:
+        """The full-depth size of a storage stacking ``pieces`` equal pieces, as many from each kept block
+        (``Labels.stacked``): one piece more for each a written block adds.
+
+        Raises:
+            Irregular: a kept block of a stack gives no piece (the written ones' count is not known).
+        """
+        per_block: dict[Any, int] = {}
+        for label in pieces:
+            if label is not None:
+                per_block[label] = per_block.get(label, 0) + 1
+        count = next(iter(per_block.values()))
+        added = 0
+        for s in {label[0] for label in per_block}:
+            stack = self.stacks[s]
+            if sum(1 for label in per_block if label[0] == s) != stack.kept or nbytes % len(pieces):
+                raise Irregular("an op outside the blocks stacked pieces of some blocks of a stack, not all")
+            added += count * stack.inserted
+        return nbytes // len(pieces) * (len(pieces) + added)
+
     def write(self) -> MemoryTrace:
         t = self.t
         out = MemoryTrace(nbytes=dict(t.nbytes), role=dict(t.role), op=dict(t.op), rows=dict(t.rows),
                           module={}, notes=[], flops={}, paged=set(t.paged))  # fmt: skip
+        for sid, pieces in self.labels.stacked.items():
+            out.nbytes[sid] = self._stacked_bytes(t.nbytes[sid], pieces)
         self.out = out
         self.fresh = max(t.nbytes, default=-1) + 1
         # key -> its storage in each block of the full stack (None: none yet): the kept storages, and
