@@ -210,32 +210,42 @@ def test_selective_checkpointing_refuses_the_reentrant_variant() -> None:
         apply_checkpointing(model, (type(model.transformer.h[0]), Selective, UseReentrant))
 
 
+def test_a_framework_plan_keeps_the_fewest_blocks_when_it_chose_checkpointing() -> None:
+    """The adapters' plan (equal micro-batches): a rung it turned checkpointing on for keeps the fewest first
+    blocks, found as ``batchfit.plan`` finds them; one the user fixed keeps every block."""
+    from batchfit.integrations._common import equal_plan
+
+    gpu = _just_short_of_one_plain_item()
+    rungs = [("fp32", False), ("fp32", True)]
+    chosen = equal_plan(LONG, 4, device=gpu, world_size=1, rungs=rungs, framework="a test", choose_blocks=True)
+    k = chosen.checkpointed_blocks
+    assert chosen.checkpointing and k is not None and 0 < k < 6
+    capacity = chosen.headroom_bytes + chosen.estimate.device_total_bytes
+    fewer = batchfit.estimate(LONG, chosen.micro_batch_size, device=gpu, checkpointing=k - 1,
+                              accumulation_steps=chosen.accumulation_steps)  # fmt: skip
+    assert chosen.estimate.device_total_bytes <= capacity < fewer.device_total_bytes
+    fixed = equal_plan(LONG, 4, device=gpu, world_size=1, rungs=rungs, framework="a test")
+    assert fixed.checkpointing and fixed.checkpointed_blocks is None
+
+
 @needs_hf
-def test_the_hugging_face_trainer_plan_keeps_the_fewest_layers_and_its_callback_applies_them(tmp_path) -> None:
-    """The Trainer turns checkpointing on for every layer; ``BatchfitCallback`` turns it off after the plan's first
-    k when training begins, which is the step the plan estimated."""
-    from hf_tiny import llama_config_dir
+def test_the_hugging_face_callback_turns_off_the_layers_after_the_plans_first_k() -> None:
+    """The Trainer switches every layer on (``activation_checkpointing=True``); ``BatchfitCallback`` turns the
+    others off when training begins, which is the step the plan estimated."""
+    from types import SimpleNamespace
 
-    from batchfit import SimulatedDevice
-    from batchfit.integrations.transformers import BatchfitCallback, plan_trainer
-    from batchfit.sources import load
+    from batchfit.integrations.transformers import BatchfitCallback
 
-    wl = load(str(llama_config_dir(tmp_path, num_hidden_layers=6, max_position_embeddings=1024)), seq_len=1024)
-    one = batchfit.estimate(wl, 1, device=SimulatedDevice("1GiB").device, precision="fp32").device_total_bytes
-    gpu = SimulatedDevice(f"{one - 1}B")  # one item without checkpointing does not fit
-    p = plan_trainer(wl, 4, device=gpu, precision="fp32")
-    k = p.checkpointed_blocks
-    assert p.checkpointing and k is not None and 0 < k < 6
-    capacity = p.headroom_bytes + p.estimate.device_total_bytes
-    fewer = batchfit.estimate(wl, p.micro_batch_size, device=gpu.device, precision="fp32", checkpointing=k - 1,
-                              accumulation_steps=p.accumulation_steps)  # fmt: skip
-    assert p.estimate.device_total_bytes <= capacity < fewer.device_total_bytes
+    wl = _zoo("llama-gqa")
     model = wl.build_model()
-    model.gradient_checkpointing_enable()  # what the Trainer does with activation_checkpointing=True
-    BatchfitCallback(p, write=lambda line: None).on_train_begin(
-        type("Args", (), {"world_size": 1, "per_device_train_batch_size": p.micro_batch_size,
-                          "gradient_accumulation_steps": p.accumulation_steps})(),
-        type("State", (), {"is_world_process_zero": True})(), None, model=model,
-    )  # fmt: skip
+    model.gradient_checkpointing_enable()
+    plan = SimpleNamespace(checkpointed_blocks=1, estimate=batchfit.estimate(wl, 1, device="A100-80GB"),
+                           global_batch_size=2, micro_batch_size=1, accumulation_steps=2, gpus=1, device="A100-80GB",
+                           precision="fp32", checkpointing=True, headroom_bytes=0)  # fmt: skip
+    args = SimpleNamespace(world_size=1, per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    lines: list[str] = []
+    BatchfitCallback(plan, write=lines.append).on_train_begin(args, SimpleNamespace(is_world_process_zero=True),
+                                                              None, model=model)  # fmt: skip
     layers = checkpoint_blocks_of(model, wl.checkpoint_blocks)
-    assert [m.gradient_checkpointing for m in layers] == [True] * k + [False] * (6 - k)
+    assert [m.gradient_checkpointing for m in layers] == [True, False, False, False]
+    assert "activation checkpointing of the first 1 layers" in lines[0]
