@@ -194,9 +194,8 @@ def _with_fewest_blocks(workload: Workload, found: Any, dev: Device) -> Any:
         interconnect=found.interconnect, state_bytes=state_bytes(wl, setup.policy(dev).param_dtype).as_tuple(),
     ).total_s  # fmt: skip
     est = fewest.estimate if steps == 1 else dataclasses.replace(fewest.estimate, accumulation_steps=steps)
-    remedies = tuple(f"activation checkpointing of {fewest.blocks} of {fewest.of} blocks"
-                     if r == "activation checkpointing" else r for r in found.remedies)  # fmt: skip
-    return dataclasses.replace(found, checkpointed_blocks=fewest.blocks, estimate=est, remedies=remedies,
+    return dataclasses.replace(found, checkpointed_blocks=fewest.blocks, estimate=est,
+                               remedies=fewest.remedies(found.remedies),
                                headroom_bytes=capacity - est.device_total_bytes, predicted_step_s=seconds)  # fmt: skip
 
 

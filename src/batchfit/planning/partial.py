@@ -39,6 +39,11 @@ class FewestBlocks:
     of: int
     estimate: Estimate
 
+    def remedies(self, every_block: tuple[str, ...]) -> tuple[str, ...]:
+        """A plan's remedies ``every_block`` (checkpointing every block among them) with these blocks named."""
+        named = f"activation checkpointing of {self.blocks} of {self.of} blocks"
+        return tuple(named if r == "activation checkpointing" else r for r in every_block)
+
 
 def block_count(wl: Workload) -> int:
     """How many blocks checkpointing numbers in ``wl``'s model (``checkpoint_blocks_of``; 0: none to choose)."""

@@ -490,12 +490,11 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
         if fewest is None:
             continue
         partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.blocks))
-        remedies = tuple(f"activation checkpointing of {fewest.blocks} of {fewest.of} blocks"
-                         if r == "activation checkpointing" else r for r in config.remedies)  # fmt: skip
         setup = partial.setup
         trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
         option = timed_option(partial, wl, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size, trace,
-                              fewest.estimate.device_total_bytes, result.capacity_bytes, remedies)  # fmt: skip
+                              fewest.estimate.device_total_bytes, result.capacity_bytes,
+                              fewest.remedies(config.remedies))  # fmt: skip
         out.append((dataclasses.replace(option, checkpointed_blocks=fewest.blocks), fewest.estimate))
     return out
 

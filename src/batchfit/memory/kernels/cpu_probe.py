@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..measure import cpu_memory_profile
 from ..trace.fake_step import real_execution
+from ..trace.tracer import CPU_SCRATCH
 from ..trace.tracker import sparse_tensor_error
 from ..trace.values import adopt, real_of
 from .gloo import COLLECTIVE_NAMESPACES, staging_bytes
@@ -257,7 +258,7 @@ class CpuScratchProbe:
         if namespace in _SKIP_NAMESPACES or getattr(func, "is_view", False):
             return
         key, _, _ = self._key(func, args, kwargs)
-        self._scratch.append((tracer.add_scratch(0, f"cpu scratch of {func}", transient=True), key))
+        self._scratch.append((tracer.add_scratch(0, f"{CPU_SCRATCH}{func}", transient=True), key))
         if any(sid is not None for sid in out_sids):
             self._outputs.append((out_sids, key))
         opaque = self._pending_opaque.get(key)

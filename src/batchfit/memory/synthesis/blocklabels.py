@@ -31,8 +31,8 @@ follows from its inputs: ``stack`` or ``cat`` of equal pieces, as many from ever
 larger than a piece (reductions): the per-parameter norms ``clip_grad_norm_`` stacks and reduces. Its
 output is the model's other parts' (it is made and freed once), and ``Labels.stacked`` gives the writer
 its pieces, so that it writes the output's size at full depth: one piece more for each piece a written
-block adds. (A CPU kernel's scratch for an op over
-several blocks' tensors is fine too when the kernel allocated none.)
+block adds. (A CPU kernel's scratch for an op over several blocks' tensors is fine too when the kernel
+allocated none.)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..trace.tracer import MemoryTrace
+from ..trace.tracer import CPU_SCRATCH, MemoryTrace
 from .stacks import _tensors
 
 __all__ = ["BlockRecorder", "Label", "Labels"]
@@ -55,8 +55,6 @@ _NO_MODULE = "no module"
 """The context of an event outside every module."""
 _STACKING = ("aten.stack.", "aten.cat.")
 """Ops whose output is their inputs side by side: its size follows from theirs (see the NOTE)."""
-_SCRATCH = "cpu scratch of "
-"""How the CPU probe names the scratch of an op (``memory/kernels/cpu_probe.py``)."""
 _UNNUMBERED = 1 << 63
 """Sequence numbers from here up are not a forward's (``AccumulateGrad``'s is the largest integer)."""
 
@@ -191,7 +189,7 @@ class BlockRecorder:
         def spans(sid: int, inputs: tuple[int, ...], seen: set[Label]) -> bool:
             """Whether ``sid`` stacks equal pieces, as many from every kept block (noted in ``stacked``)."""
             op = trace.op.get(sid, "")
-            if op.startswith(_SCRATCH):  # a CPU kernel's scratch of an op over several blocks' tensors
+            if op.startswith(CPU_SCRATCH):  # a CPU kernel's scratch of an op over several blocks' tensors
                 return trace.nbytes.get(sid) == 0  # none, at any depth
             if not op.startswith(_STACKING) or sid not in self._untracked:
                 return False

@@ -26,6 +26,8 @@ from .tracker import RoleBook, StorageTracker, local_tensor
 from .values import active_value_mode
 
 OUTSIDE = "(outside modules)"
+CPU_SCRATCH = "cpu scratch of "
+"""The label of a CPU kernel's measured scratch, before the op's name (``memory/kernels/cpu_probe.py``)."""
 _OP_NAMES: dict[Any, str] = {}
 """``str(op)`` of each op seen, computed once."""
 _MODULE_KEY = "batchfit_module"
