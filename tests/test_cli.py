@@ -81,6 +81,22 @@ def test_some_blocks_checkpointed_reach_the_api(capsys) -> None:
     assert got["device_total_bytes"] == api.device_total_bytes
     code, out, err = _run(capsys, "estimate", *gpt, "-b", "2", "--checkpoint-blocks", "3")
     assert code == 0 and json.loads(out)["checkpointed_blocks"] == [0, 1, 2]
+    for value, blocks, selective in (("2", [0, 1], False), ("1,3", [1, 3], False), ("selective", None, True)):
+        code, out, err = _run(capsys, "estimate", *gpt, "-b", "2", "--checkpointing", value)
+        got = json.loads(out)
+        assert code == 0 and got["checkpointing"], err
+        assert (got["checkpointed_blocks"], got["selective_checkpointing"]) == (blocks, selective)
+
+
+def test_checkpointing_takes_an_optional_value_on_estimate_and_fit() -> None:
+    from batchfit.cli.options import take_checkpointing
+
+    assert take_checkpointing(["estimate", "gpt", "--checkpointing"]) == ["estimate", "gpt", "--checkpointing=blocks"]
+    assert take_checkpointing(["estimate", "--checkpointing", "gpt"]) == ["estimate", "--checkpointing=blocks", "gpt"]
+    assert take_checkpointing(["fit", "gpt", "--checkpointing", "-b", "2"])[2] == "--checkpointing=blocks"
+    for value in ("auto", "12", "0,4,8", "selective", "blocks", "none"):
+        assert take_checkpointing(["fit", "gpt", "--checkpointing", value]) == ["fit", "gpt", "--checkpointing", value]
+    assert take_checkpointing(["plan", "gpt", "--checkpointing", "-g", "8"])[2] == "--checkpointing"  # a flag there
 
 
 def test_estimate_table_renders(capsys) -> None:
@@ -132,6 +148,9 @@ def test_fit_and_plan_json(capsys) -> None:
         (["estimate", "nosuchmodule.x:y", "-b", "2"], "nosuchmodule"),
         (["estimate", "mlp", "-b", "2", "--checkpoint-blocks", "two"], "a number of blocks (12) or block indices"),
         (["fit", "mlp", "--checkpoint-blocks", "1", "--checkpointing"], "not both"),
+        (["estimate", "mlp", "-b", "2", "--checkpointing=every"], "a number of blocks (12), block indices (0,4,8)"),
+        (["estimate", "gpt", "-b", "2", "--checkpointing", "auto"], "does not choose checkpointing"),
+        (["fit", "mlp", "--device", "cuda", "--checkpointing", "auto"], "modelled GPU"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], fragment: str) -> None:

@@ -220,7 +220,7 @@ def test_estimate_takes_a_layout_and_the_command_line_names_valid_degrees(
 def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> None:
     """A large vocabulary at 2048 tokens: the logits outgrow the GPU whatever FSDP and checkpointing do;
     split over the vocabulary (loss parallel) and the sequence (sequence parallel), they fit."""
-    from batchfit.planning.options import fit_estimate_at
+    from batchfit.planning.estimate import fit_estimate_at
 
     wl = load(str(llama_config_dir(tmp_path, vocab_size=32000, max_position_embeddings=2048)), seq_len=2048)
     device = get_device("A100-80GB")

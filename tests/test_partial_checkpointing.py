@@ -131,6 +131,37 @@ def _just_short_of_one_plain_item() -> batchfit.Device:
     return SimulatedDevice(f"{plain - 1}B").device
 
 
+def test_fit_auto_checkpoints_the_fewest_blocks_its_micro_batch_needs(capsys: pytest.CaptureFixture) -> None:
+    """``fit --checkpointing auto -b 64``: 64 items fit with every block checkpointed and with the fewest first blocks
+    the estimates say (some, not all, of 4 on a 445 MiB GPU); 4 items need none. The steps it looked at are the
+    estimates of those settings."""
+    import json
+
+    from batchfit.cli import main
+
+    gpt = ["gpt", "--set", "n_layer=4", "--set", "n_embd=32", "--set", "n_head=2", "--set", "vocab_size=96",
+           "--seq-len", "64", "--device", "445MiB"]  # fmt: skip
+    assert main(["fit", *gpt, "--checkpointing", "auto", "-b", "64", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    wl, dev = CASES["gpt"](), "445MiB"
+    budget = got["capacity_bytes"]
+
+    def total(ck: object, batch: int = 64) -> int:
+        return batchfit.estimate(wl, batch, device=dev, checkpointing=ck).device_total_bytes
+
+    fewest = next(k for k in range(5) if total(k or None) <= budget)
+    assert 0 < fewest < 4  # the case in question: some blocks, not all
+    assert (got["max_batch_size"], got["checkpointing"], got["checkpointed_blocks"]) == (64, True, fewest)
+    assert got["estimate"]["device_total_bytes"] == total(fewest) and got["estimate"]["checkpointed_blocks"] == list(
+        range(fewest)
+    )
+    looked = {a["checkpointed_blocks"]: a["device_total_bytes"] for a in got["attempts"] if a["checkpointed_blocks"]}
+    assert looked == {k: total(k) for k in looked} and {fewest - 1, fewest} - {0} <= set(looked)
+    small = batchfit.fit(wl, dev, checkpointing="auto", max_batch_size=4)
+    assert (small.max_batch_size, small.checkpointing, small.checkpointed_blocks) == (4, False, None)
+    assert small.estimate.device_total_bytes == total(None, 4) <= budget
+
+
 def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_beside_it() -> None:
     dev = _just_short_of_one_plain_item()
     p = batchfit.plan(LONG, 4, device=dev, precision="fp32")

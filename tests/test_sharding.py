@@ -8,16 +8,22 @@ derives rank 0's trace arithmetically. The bytes must be equal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from fsdp_memory_worker import BATCH_SIZE, WORKLOADS
 from launch import run_script
 
+from batchfit.gpu.catalog import get_device
 from batchfit.memory.categories import Category
+from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.synthesis.sharding import shard_bytes, shard_trace
 from batchfit.memory.trace.fake_step import MemoryTrace, trace_workload
+from batchfit.precision import policy_for
+from batchfit.workload import ParallelLayout
 
 WORKER = Path(__file__).with_name("fsdp_memory_worker.py")
 _MEASURED = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)
@@ -57,3 +63,28 @@ def test_uneven_rows_are_what_tells_the_shard_apart_from_half(measured: dict) ->
     for name in WORKLOADS:
         whole = trace_workload(WORKLOADS[name](), BATCH_SIZE, param_dtype=None, autocast=None)
         assert measured[name]["parameters"] != -(-most_alive(whole, Category.PARAMETERS) // 2)
+
+
+def _optimizer_temporaries(trace: MemoryTrace) -> int:
+    """The most temporary bytes alive during the steady step's optimizer (FSDP's gather buffer aside)."""
+    alive = most = 0
+    for index, event in enumerate(trace.events):
+        sid = event if event >= 0 else ~event
+        if trace.role.get(sid) is not Category.TEMPORARIES or trace.op.get(sid) == "FSDP all-gather":
+            continue
+        alive += trace.nbytes[sid] if event >= 0 else -trace.nbytes[sid]
+        if trace.phase_at(index) == ("optimizer", 1):
+            most = max(most, alive)
+    return most
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_a_foreach_optimizers_temporaries_are_shards_as_an_fsdp2_rank_makes_them(name: str) -> None:
+    """NOTE [ The optimizer's temporaries under FSDP ]: AdamW(foreach=True), CUDA's default, makes its temporaries
+    for every parameter at once; on a rank of ``fully_shard`` (traced on a fake process group) they are shards."""
+    wl = dataclasses.replace(WORKLOADS[name](), optimizer=lambda ps: torch.optim.AdamW(ps, foreach=True))
+    dev, policy = get_device("A100-40GB"), policy_for("fp32")
+    whole = trace_for_device(wl, BATCH_SIZE, dev, policy, ())
+    rank = trace_for_device(dataclasses.replace(wl, parallel=ParallelLayout(fsdp=2)), BATCH_SIZE, dev, policy, ())
+    derived = _optimizer_temporaries(shard_trace(whole, 2))
+    assert derived == _optimizer_temporaries(rank) < _optimizer_temporaries(whole)

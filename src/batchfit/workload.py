@@ -290,8 +290,9 @@ class Setup:
         for name in ("precision", "checkpointing"):
             if getattr(self, name) == AUTO:
                 example = "bf16" if name == "precision" else "blocks"
+                choosers = "batchfit.plan" if name == "precision" else "batchfit.fit or batchfit.plan"
                 raise ConfigError(f"{what} runs one step as written and does not choose {name}: give it "
-                                  f"(e.g. {name}={example}), or use batchfit.plan")  # fmt: skip
+                                  f"(e.g. {name}={example}), or use {choosers}")  # fmt: skip
         return self
 
     def policy(self, device: Any) -> PrecisionPolicy:

@@ -99,7 +99,7 @@ def estimate(
     precision: PrecisionOpt = "fp32",
     seq_len: SeqLenOpt = None,
     optimizer: OptimizerOpt = None,
-    checkpointing: CheckpointingOpt = False,
+    checkpointing: CheckpointingOpt = None,
     checkpoint_blocks: CheckpointBlocksOpt = None,
     context_mib: ContextOpt = None,
     expandable_segments: Annotated[
@@ -183,7 +183,7 @@ def fit_command(
     precision: PrecisionOpt = "fp32",
     seq_len: SeqLenOpt = None,
     optimizer: OptimizerOpt = None,
-    checkpointing: CheckpointingOpt = False,
+    checkpointing: CheckpointingOpt = None,
     checkpoint_blocks: CheckpointBlocksOpt = None,
     margin: Annotated[float, typer.Option("--margin", help="Fraction of memory to keep free, e.g. 0.1.")] = 0.0,
     accumulation_steps: AccumulationOpt = 1,
@@ -209,16 +209,21 @@ def fit_command(
     check_batch_size(accumulation_steps, "--accumulation-steps")
 
     wl = opts.workload(preset, seq_len, optimizer, set_, task, lora, lora_targets, fused_loss)
+    ck = opts.checkpointing(checkpointing, checkpoint_blocks)
+    target = None  # with --checkpointing auto, -b is the micro-batch to fit with the fewest blocks
+    if ck == "auto" and opts.Maximize(maximize) == opts.Maximize.batch_size and batch_size is not None:
+        target, batch_size = check_batch_size(batch_size, "--batch-size"), None
     with opts.progress(as_json) as show:
         result = fit(
             wl,
             opts.device(device, context_mib, profile, cuda_loading, cudnn_benchmark),
             precision=precision,
-            checkpointing=opts.checkpointing(checkpointing, checkpoint_blocks),
+            checkpointing=ck,
             margin=margin,
             accumulation_steps=accumulation_steps,
             maximize=opts.Maximize(maximize).value,
             batch_size=batch_size,
+            max_batch_size=target,
             seq_multiple=seq_multiple,
             progress=show,
         )
@@ -399,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit code (the console script passes it to ``sys.exit``).
     """
     args, verbose = take_verbose(list(sys.argv[1:] if argv is None else argv))
+    args = opts.take_checkpointing(args)
     try:
         with third_party_output(verbose):
             rv = app(args=args, standalone_mode=False, prog_name="batchfit")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from collections.abc import Iterator
 from enum import Enum
@@ -66,7 +67,16 @@ OptimizerOpt = Annotated[
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="A preset override KEY=VALUE (repeatable), e.g. --set n_layer=4.")
 ]
-CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing of blocks.")]
+CheckpointingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpointing",
+        metavar="[K|i,j,k|selective|auto]",
+        help="Activation checkpointing: alone, every block; K, the first K blocks; 0,4,8, blocks by index; selective, "
+        "every block recomputing only what is cheap (matmul and attention outputs kept); auto (fit), the fewest first "
+        "blocks the largest micro-batch (or -b B) needs.",
+    ),
+]
 CheckpointBlocksOpt = Annotated[
     str | None,
     typer.Option(
@@ -74,24 +84,54 @@ CheckpointBlocksOpt = Annotated[
         help="Checkpoint only some blocks: K (the first K blocks) or block indices such as 0,4,8.",
     ),
 ]
+CHECKPOINTING_VALUE = re.compile(r"^(auto|selective|blocks|none|\d+(,\d+)*)$")
+"""What ``--checkpointing`` of estimate and fit takes after it; anything else after a bare one is the next argument."""
+VALUED_CHECKPOINTING = ("estimate", "fit")
 
 
-def checkpointing(every: bool, some: str | None) -> str | tuple[int, ...] | None:
-    """``--checkpointing`` and ``--checkpoint-blocks`` as ``checkpointing=`` takes them.
+def take_checkpointing(argv: list[str]) -> list[str]:
+    """``argv`` with a bare ``--checkpointing`` of estimate or fit written ``--checkpointing=blocks``: the option
+    takes an optional value (``--checkpointing``, ``--checkpointing 12``, ``--checkpointing auto``), which typer's
+    options cannot, so a bare one (followed by nothing, another option or the model) gets its value here."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in VALUED_CHECKPOINTING:
+        return argv
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--checkpointing" and (i + 1 == len(argv) or not CHECKPOINTING_VALUE.match(argv[i + 1])):
+            out[i] = "--checkpointing=blocks"
+    return out
+
+
+def checkpointing(value: str | None, some: str | None) -> str | tuple[int, ...] | None:
+    """``--checkpointing [VALUE]`` and ``--checkpoint-blocks`` as ``checkpointing=`` takes them.
 
     Raises:
-        ConfigError: both given, or blocks that are not a number or a list of indices.
+        ConfigError: both given, or a value that is none of those ``--checkpointing`` takes.
     """
-    if some is None:
-        return "blocks" if every else None
-    if every:
+    if value is not None and some is not None:
         raise ConfigError("give --checkpointing (every block) or --checkpoint-blocks (some blocks), not both")
-    parts = [p.strip() for p in some.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ConfigError(f"--checkpoint-blocks takes a number of blocks (12) or block indices (0,4,8), got {some!r}")
+    if some is not None:
+        parts = [p.strip() for p in some.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ConfigError(
+                f"--checkpoint-blocks takes a number of blocks (12) or block indices (0,4,8), got {some!r}"
+            )
+        value = ",".join(parts)
+    if value is None or value.strip().lower() == "none":
+        return None
+    value = value.strip().lower().replace(" ", "")
+    if not CHECKPOINTING_VALUE.match(value):
+        raise ConfigError(f"--checkpointing takes nothing (every block), a number of blocks (12), block indices "
+                          f"(0,4,8), selective or auto; got {value!r}")  # fmt: skip
+    if value in ("auto", "selective", "blocks"):
+        return value
+    parts = value.split(",")
     if len(parts) == 1:
         return tuple(range(int(parts[0]))) or None
     return tuple(sorted({int(p) for p in parts}))
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 AccumulationOpt = Annotated[
     int,
@@ -116,7 +156,13 @@ MaximizeOpt = Annotated[
     ),
 ]
 FitBatchSizeOpt = Annotated[
-    int | None, typer.Option("--batch-size", "-b", help="With --maximize seq-len: the batch to fit the sequence at.")
+    int | None,
+    typer.Option(
+        "--batch-size",
+        "-b",
+        help="With --maximize seq-len: the batch to fit the sequence at; with --checkpointing auto: the micro-batch to "
+        "fit with the fewest blocks checkpointed.",
+    ),
 ]
 SeqMultipleOpt = Annotated[
     int,

@@ -7,10 +7,14 @@ sits above both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..activation_checkpointing import Checkpointing
 from ..batching import check_batch_size
 from ..gpu.catalog import Device, get_device
+from ..memory.cache import CACHE
 from ..memory.estimate import Estimate, finish_estimate, trace_for_device
+from ..memory.synthesis.sharding import shard_trace
 from ..sources import as_workload
 from ..workload import ParallelLayout, Setup, Workload
 
@@ -76,3 +80,22 @@ def estimate(
     policy, classes = setup.policy(dev), setup.classes(workload)
     trace = trace_for_device(workload, batch_size, dev, policy, classes)
     return finish_estimate(trace, workload, batch_size, dev, policy, classes, setup.expandable_segments)
+
+
+def fit_estimate_at(
+    wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, batch_size: int,
+    announce: Callable[[], None] | None = None,
+) -> Estimate:  # fmt: skip
+    """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
+    that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
+    wl = setup.workload(wl)
+    policy, classes = setup.policy(dev), setup.classes(wl)
+
+    def compute() -> Estimate:
+        trace = trace_for_device(wl, batch_size, dev, policy, classes, announce)
+        if sharded:
+            trace = shard_trace(trace, gpus)
+        return finish_estimate(trace, wl, batch_size, dev, policy, classes, setup.expandable_segments)
+
+    settings = (setup.key(wl), sharded, gpus, batch_size)
+    return CACHE.device_fact("estimate-at", wl, dev, policy.param_dtype, compute, extra=settings)

@@ -21,9 +21,10 @@ from ..gpu.catalog import Device
 from ..memory.cache import CACHE
 from ..runtime.simulated import SimulatedDevice
 from ..sources import as_workload
-from ..workload import ParallelLayout, Setup, Workload
+from ..workload import AUTO, ParallelLayout, Setup, Workload
 from .budget import device_budget, fit_setting, is_modelled, real_step
 from .known_error import keep_known_errors, table_key
+from .partial import with_fewest_blocks
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
 from .seqlen import check_seq_request, fit_seq_len
 
@@ -60,7 +61,9 @@ def fit(
             ``checkpointing``, ``expandable_segments``, ``accumulation_steps`` and ``parallel`` that is given
             (not None) replaces that field of it.
         precision: ``fp32``, ``bf16``, ``fp16``, ``bf16-true`` or ``bf16-true-autocast``.
-        checkpointing: None, ``"blocks"`` or a list of module classes.
+        checkpointing: None, ``"blocks"``, a list of module classes, a number of blocks or block indices,
+            ``"selective"``, or ``"auto"``: the largest micro-batch with every block checkpointed, then the
+            fewest first blocks (or none) that micro-batch needs (``FitResult.checkpointed_blocks``).
         margin: fraction of the device's memory to leave free (0.1 keeps 10% in reserve).
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         shard_over: fit one rank of FSDP over this many GPUs (``memory/synthesis/sharding.py``).
@@ -70,7 +73,8 @@ def fit(
             above 1, the micro-batch must fit with the earlier micro-batches' gradients alive.
         parallel: a ``ParallelLayout``: fit one rank of it (None: the workload's own).
         max_batch_size: look no further than this (a plan needs no micro-batch above a rank's share);
-            ``FitResult.capped`` then says the search stopped there.
+            ``FitResult.capped`` then says the search stopped there. With ``checkpointing="auto"``, the
+            micro-batch you want: the fewest blocks at which it (or the largest below it that fits) fits.
         maximize: ``"batch_size"`` (the largest micro-batch) or ``"seq_len"``: the longest sequence
             that fits at ``batch_size`` (``FitResult.max_seq_len``), for a workload that can be rebuilt
             at another length (``Workload.at_seq_len``: presets with a ``seq_len``, hub models).
@@ -101,7 +105,15 @@ def fit(
         raise ConfigError(f"margin must be in [0, 1), got {margin}; e.g. 0.1 to keep 10% free")
     workload = as_workload(workload)
     setup = Setup.of(setup, precision=precision, checkpointing=checkpointing, expandable_segments=expandable_segments,
-                     accumulation_steps=accumulation_steps, parallel=parallel).concrete("a fit")  # fmt: skip
+                     accumulation_steps=accumulation_steps, parallel=parallel)  # fmt: skip
+    choose_blocks = setup.checkpointing == AUTO
+    if choose_blocks:
+        if not is_modelled(device):
+            raise ConfigError("checkpointing='auto' chooses the blocks from traced steps on a modelled GPU (a catalog "
+                              "name or a capacity); with a simulated device or cuda give checkpointing='blocks' or a "
+                              "number of blocks")  # fmt: skip
+        setup = setup.with_fields(checkpointing="blocks")
+    setup = setup.concrete("a fit")
     workload = setup.workload(workload)
     seq = check_seq_request(workload, maximize, batch_size, seq_multiple, max_batch_size)
     known_error = keep_known_errors(known_error)
@@ -122,7 +134,10 @@ def fit(
                                  known_error and table_key())  # fmt: skip
     if seq:  # the answer depends on how the workload is rebuilt at each length
         settings += ("seq_len", batch_size, seq_multiple, workload.at_seq_len, workload.max_seq_len)
-    return CACHE.device_fact("fit", workload, dev, policy.param_dtype, run, extra=settings)
+    result = CACHE.device_fact("fit", workload, dev, policy.param_dtype, run, extra=settings)
+    if choose_blocks:  # NOTE [ Checkpointing only what the micro-batch needs ] in planning/partial.py
+        result = with_fewest_blocks(result, workload, dev, setup, shard_over, progress)
+    return result
 
 
 def _fit(

@@ -14,9 +14,9 @@ from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device, catalog
 from ..memory.cache import CACHE
 from ..memory.trace.fake_step import fake_model
+from .estimate import fit_estimate_at
 from .fit import fit
 from .ladder import Rung
-from .options import fit_estimate_at
 
 if TYPE_CHECKING:
     from ..workload import Workload

@@ -17,13 +17,14 @@ from ..batching import make_splits
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
-from ..memory.estimate import Estimate, cached_trace, finish_estimate, trace_for_device, with_accumulation
+from ..memory.estimate import cached_trace, finish_estimate, with_accumulation
 from ..memory.states import state_bytes
 from ..memory.synthesis.scaling import TraceLine
 from ..memory.synthesis.sharding import shard_trace
 from ..memory.trace.tracer import MemoryTrace
-from ..workload import Setup, Workload
+from ..workload import Workload
 from .cost import predict_step_time
+from .estimate import fit_estimate_at
 from .fit import FitResult, fit
 from .ladder import Rung, most_split
 
@@ -65,6 +66,11 @@ class _Fitted:
     config: Rung
     result: FitResult
     workload: Workload
+    """The workload as fitted (with its accumulation), the whole model: ``rank_workload`` is one rank's."""
+
+    def rank_workload(self, gpus: int) -> Workload:
+        """The workload one rank of the configuration traces: under tensor parallelism, with its layout."""
+        return config_workload(self.workload, self.config, gpus)
 
 
 def _could_fit(wl: Workload, dev: Device, config: Rung, gpus: int, budget: int) -> bool:
@@ -236,22 +242,3 @@ def plan_splits(config: Rung, global_batch_size: int, gpus: int, micro_batch_siz
     items); every rank runs as many micro-batches under FSDP, whose every micro-batch is a collective."""
     same = config.sharded or config.tensor_parallel > 1
     return make_splits(global_batch_size, config.data_parallel(gpus), micro_batch_size, same_count=same)
-
-
-def fit_estimate_at(
-    wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, batch_size: int,
-    announce: Callable[[], None] | None = None,
-) -> Estimate:  # fmt: skip
-    """The estimate of one rank at ``batch_size`` in a plan's configuration (kept with the traces, so
-    that a repeated plan replays no allocator); ``announce`` is called if a step must be traced."""
-    wl = setup.workload(wl)
-    policy, classes = setup.policy(dev), setup.classes(wl)
-
-    def compute() -> Estimate:
-        trace = trace_for_device(wl, batch_size, dev, policy, classes, announce)
-        if sharded:
-            trace = shard_trace(trace, gpus)
-        return finish_estimate(trace, wl, batch_size, dev, policy, classes, setup.expandable_segments)
-
-    settings = (setup.key(wl), sharded, gpus, batch_size)
-    return CACHE.device_fact("estimate-at", wl, dev, policy.param_dtype, compute, extra=settings)

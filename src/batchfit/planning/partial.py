@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from ..activation_checkpointing import checkpoint_blocks_of, selected_blocks
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
-from ..memory.estimate import Estimate
+from ..memory.estimate import Estimate, with_accumulation
 from ..memory.trace.fake_step import fake_model
 from ..workload import Setup, Workload
-from .options import fit_estimate_at
+from .estimate import fit_estimate_at
+from .search import FitAttempt, FitResult
 
-__all__ = ["FewestBlocks", "block_count", "fewest_blocks"]
+__all__ = ["BlockSearch", "FewestBlocks", "block_count", "fewest_blocks", "with_fewest_blocks"]
 
 
 @dataclass(frozen=True)
@@ -62,33 +63,86 @@ def fewest_blocks(
     """The fewest first blocks of ``wl`` to checkpoint for one rank's step at ``micro`` items to fit ``budget``
     bytes (what the device shows), under ``setup`` otherwise; None when that is every block (or none is needed,
     or the model has fewer than two blocks). See the NOTE above."""
-    n = block_count(wl)
-    if n < 2:
+    search = BlockSearch(wl, dev, setup, sharded, gpus, micro, budget, announce)
+    if search.of < 2:
         return None
-    seen: dict[int, Estimate] = {}
+    k = search.least()
+    if k is None or not 0 < k < search.of:
+        return None
+    return FewestBlocks(k, search.of, search.at(k))
 
-    def at(k: int) -> Estimate:
-        if k not in seen:
-            if announce is not None and 0 < k < n:
-                announce(f"checkpointing {k} of {n} blocks at {micro} item{'s' if micro != 1 else ''}")
+
+class BlockSearch:
+    """The search for the least k of the model's N blocks whose step (the first k checkpointed) fits ``budget``,
+    one rank's step at ``micro`` items; ``looked`` keeps every step it estimated, by k."""
+
+    def __init__(
+        self, wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, micro: int, budget: int,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.wl, self.dev, self.setup, self.sharded, self.gpus = wl, dev, setup, sharded, gpus
+        self.micro, self.budget, self.announce = micro, budget, announce
+        self.of = block_count(wl)
+        self.looked: dict[int, Estimate] = {}
+
+    def at(self, k: int) -> Estimate:
+        """The estimate with the first ``k`` blocks checkpointed (0: none, N: every block)."""
+        if k not in self.looked:
+            n, micro = self.of, self.micro
+            if self.announce is not None and 0 < k < n:
+                self.announce(f"checkpointing {k} of {n} blocks at {micro} item{'s' if micro != 1 else ''}")
             ck = None if k == 0 else ("blocks" if k == n else k)
-            seen[k] = fit_estimate_at(wl, dev, dataclasses.replace(setup, checkpointing=ck), sharded, gpus, micro)
-        return seen[k]
+            setup = dataclasses.replace(self.setup, checkpointing=ck)
+            self.looked[k] = fit_estimate_at(self.wl, self.dev, setup, self.sharded, self.gpus, micro)
+        return self.looked[k]
 
-    def fits(k: int) -> bool:
-        return at(k).device_total_bytes <= budget
+    def fits(self, k: int) -> bool:
+        return self.at(k).device_total_bytes <= self.budget
 
-    if fits(0) or not fits(n):
-        return None
-    # The least k that fits lies in (low, high]: k = 0 does not fit, k = n does. Each look is where the line
-    # through the bracket's two ends meets the budget (the guess, then its neighbour when the line holds).
-    low, high = 0, n
-    while high - low > 1:
-        above, below = at(low).device_total_bytes, at(high).device_total_bytes
-        step = (above - below) / (high - low)
-        probe = low + math.ceil((above - budget) / step) if step > 0 else (low + high) // 2
-        probe = min(high - 1, max(low + 1, probe))
-        low, high = (low, probe) if fits(probe) else (probe, high)
-    if high == n:
-        return None
-    return FewestBlocks(high, n, at(high))
+    def least(self) -> int | None:
+        """The least k that fits (0: no checkpointing needed; N: every block), None: not even N fits, or the
+        model has no blocks to number."""
+        n = self.of
+        if n == 0:
+            return None
+        if self.fits(0):
+            return 0
+        if not self.fits(n):
+            return None
+        # The least k that fits lies in (low, high]: k = 0 does not fit, k = n does. Each look is where the line
+        # through the bracket's two ends meets the budget (the guess, then its neighbour when the line holds).
+        low, high = 0, n
+        while high - low > 1:
+            above, below = self.at(low).device_total_bytes, self.at(high).device_total_bytes
+            step = (above - below) / (high - low)
+            probe = low + math.ceil((above - self.budget) / step) if step > 0 else (low + high) // 2
+            probe = min(high - 1, max(low + 1, probe))
+            low, high = (low, probe) if self.fits(probe) else (probe, high)
+        return high
+
+
+def with_fewest_blocks(
+    result: FitResult, wl: Workload, dev: Device, setup: Setup, shard_over: int,
+    announce: Callable[[str], None] | None = None,
+) -> FitResult:  # fmt: skip
+    """``result``, a fit with every block checkpointed (``setup``), at the least recompute its answer needs: the
+    fewest first blocks checkpointed whose step at the same batch (and sequence) still fits the same budget, or
+    none at all (``fit(..., checkpointing="auto")``). The steps looked at join the attempts."""
+    if result.max_seq_len is not None:
+        wl = with_accumulation(wl.at_seq_len(result.max_seq_len), wl.accumulation_steps)
+    search = BlockSearch(wl, dev, setup, shard_over > 1, shard_over, result.max_batch_size, result.capacity_bytes,
+                         announce)  # fmt: skip
+    k = search.least()
+    if k is None or k == search.of:
+        return result
+    looked = [(j, e) for j, e in sorted(search.looked.items()) if j != search.of]
+    attempts = tuple(
+        FitAttempt(result.max_batch_size, e.device_total_bytes, e.device_total_bytes <= result.capacity_bytes,
+                   "trace", seq_len=result.max_seq_len, checkpointed_blocks=j)
+        for j, e in looked
+    )  # fmt: skip
+    return dataclasses.replace(
+        result, estimate=search.at(k), checkpointing=k > 0, checkpointed_blocks=k or None,
+        trials=result.trials + len(looked), attempts=result.attempts + attempts,
+        expandable_max_batch_size=None,  # predicted for every block checkpointed
+    )  # fmt: skip

@@ -32,6 +32,7 @@ from ..memory.trace.tp_plan import degree_error, split_facts
 from ..sources import as_workload
 from ..workload import AUTO, ParallelLayout, Setup, Workload
 from .cost import link_gbps
+from .estimate import fit_estimate_at
 from .ladder import Rung, ladder
 from .messages import _nothing_fits, _warnings, describe_split, expandable_remedy
 from .options import (
@@ -41,7 +42,6 @@ from .options import (
     _fit_config,
     _Fitted,
     _option,
-    fit_estimate_at,
     plan_splits,
     timed_option,
 )
@@ -411,7 +411,7 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     the estimate at the micro-batch the split uses, its warnings, and the alternatives fastest first."""
     chosen, wl, dev, gpus, global_batch_size = walk.chosen, walk.wl, walk.dev, walk.gpus, walk.global_batch_size
     assert chosen is not None
-    result, config, fitted_wl = chosen.result, chosen.config, chosen.workload
+    result, config, fitted_wl = chosen.result, chosen.config, chosen.rank_workload(gpus)
     picked = next(o for f, o in walk.options if f is chosen)
     others = [o for f, o in walk.options if f is not chosen]
     remedies, blocks, split_at = config.remedies, None, result.max_batch_size
@@ -485,14 +485,16 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
     out = []
     for size in sizes:
         steps = max(len(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, size))
-        wl = with_accumulation(chosen.workload, 2 if steps > 1 else 1)
+        accumulation = 2 if steps > 1 else 1
+        wl = with_accumulation(chosen.rank_workload(walk.gpus), accumulation)  # a tensor-parallel rank's own step
         fewest = fewest_blocks(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress)
         if fewest is None:
             continue
         partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.blocks))
         setup = partial.setup
         trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
-        option = timed_option(partial, wl, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size, trace,
+        whole = with_accumulation(chosen.workload, accumulation)  # the cost model splits the whole model itself
+        option = timed_option(partial, whole, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size, trace,
                               fewest.estimate.device_total_bytes, result.capacity_bytes,
                               fewest.remedies(config.remedies))  # fmt: skip
         out.append((dataclasses.replace(option, checkpointed_blocks=fewest.blocks), fewest.estimate))

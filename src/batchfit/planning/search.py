@@ -43,6 +43,9 @@ class FitAttempt:
     """``"trace"`` (a traced step), ``"real"`` (a real step on the device) or ``"predicted"``."""
     seq_len: int | None = None
     """The sequence length of the step (``fit(..., maximize="seq_len")``); None when the batch was searched."""
+    checkpointed_blocks: int | None = None
+    """The first this many blocks checkpointed (``checkpointing="auto"`` looking for the fewest the answer needs);
+    None: as the fit's setup says."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class FitResult:
     """The largest micro-batch with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, predicted from the
     line, when it is larger: the caching allocator's fragmentation, not the live tensors, stops the next
     batch (None: it is not larger, or the search ran with expandable segments or real steps)."""
+    checkpointed_blocks: int | None = None
+    """With ``checkpointing="auto"``: the first this many of the model's blocks checkpointed, the fewest the
+    answer needs (None: every block, or none with ``checkpointing`` False); ``estimate`` is that step's."""
 
     def trace_at(self, batch_size: int) -> MemoryTrace | None:
         """The trace at ``batch_size``: traced, else predicted from the line (None without either)."""
@@ -110,6 +116,7 @@ class FitResult:
             "known_error": self.known_error,
             "known_error_bytes": self.known_error_bytes,
             "expandable_max_batch_size": self.expandable_max_batch_size,
+            "checkpointed_blocks": self.checkpointed_blocks,
         }
 
 

@@ -31,6 +31,8 @@ def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     checkpointing = " · checkpointing" if est.checkpointing else ""
     if est.checkpointing and blocks is not None:
         checkpointing += f" {len(blocks)} block{'s' if len(blocks) != 1 else ''}"
+    if est.checkpointing and getattr(est, "selective_checkpointing", False):
+        checkpointing += " (selective)"
     title = (
         f"{est.workload} · batch {est.batch_size} · {est.precision}{checkpointing}"
         f"{f' · {est.accumulation_steps} micro-batches per step' if est.accumulation_steps > 1 else ''} · {est.device}"
@@ -137,7 +139,9 @@ def fit_table(result: Any) -> Group:
             head.add_row("lengths searched", f"multiples of {result.seq_multiple}")
     else:
         head.add_row("largest micro-batch", str(result.max_batch_size))
-    head.add_row("precision", result.precision + (" + checkpointing" if result.checkpointing else ""))
+    blocks = getattr(result, "checkpointed_blocks", None)
+    checkpointing = f" + checkpointing of the first {blocks} blocks" if blocks else " + checkpointing"
+    head.add_row("precision", result.precision + (checkpointing if result.checkpointing else ""))
     head.add_row("budget", format_bytes(result.capacity_bytes))
     if getattr(result, "known_error", None):
         head.add_row("kept free", f"{format_bytes(result.known_error_bytes)} (measured error of this kind of model)")
@@ -151,7 +155,9 @@ def fit_table(result: Any) -> Group:
     for a in result.attempts:
         total = "-" if a.device_total_bytes is None else format_bytes(a.device_total_bytes)
         point = a.seq_len if seq else a.batch_size
-        attempts.add_row(str(point), a.kind, total, Text("yes", "green") if a.fits else Text("no", "red"))
+        blocks = getattr(a, "checkpointed_blocks", None)
+        kind = a.kind if blocks is None else f"{a.kind}, {blocks} blocks"
+        attempts.add_row(str(point), kind, total, Text("yes", "green") if a.fits else Text("no", "red"))
     parts = [head, attempts]
     if getattr(result, "known_error", None):
         parts.append(Text(result.known_error, style="yellow"))

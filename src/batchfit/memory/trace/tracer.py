@@ -53,9 +53,10 @@ class MemoryTrace:
     flops: dict[tuple[str, int], int] = field(default_factory=dict)
     """Floating-point operations by ``(phase, step)`` (``memory/trace/flops.py``): what time models start from."""
     rows: dict[int, int] = field(default_factory=dict)
-    """Dim-0 length of each storage that FSDP shards by rows: a parameter's, its gradient's and each
-    optimizer state of the parameter's shape (``memory/synthesis/sharding.py``). Buffers, scalar states (Adam's
-    ``step``) and storages shared by several tensors are absent: FSDP keeps them whole."""
+    """Dim-0 length of each storage that FSDP shards by rows: a parameter's, its gradient's, each optimizer state
+    of the parameter's shape and what the optimizer step makes in that shape (``memory/synthesis/sharding.py``).
+    Buffers, scalar states (Adam's ``step``) and storages shared by several tensors are absent: FSDP keeps them
+    whole."""
     grads: list[tuple[int, int | None, bool, str]] = field(default_factory=list)
     """``(event_index, sid, copied, made_in)`` each time backward put a gradient into a parameter's
     ``.grad``: where on the timeline, the gradient's storage (None: not a dense tensor alone in its
@@ -156,6 +157,7 @@ class Tracer:
         self._module_names: dict[int, str] = {}
         self._backward_module = OUTSIDE
         self._param_module: dict[int, str] = {}
+        self._param_shapes: set[tuple[int, ...]] = set()
         self._watched = getattr(kernels, "watched_ops", None)
         """The ops the kernel model's ``after_op`` acts on (None: all of them)."""
         self._recorder = recorder
@@ -248,8 +250,20 @@ class Tracer:
                 sid = self._tracker.storage_id(t)
                 new_sids.append(sid if sid is not None and sid >= first_new else None)
             self._kernels.after_op(self, func, args, kwargs, new_sids)
+        if self._phase == "optimizer":
+            self._note_optimizer_rows(outputs, first_new)
         if self._recorder is not None:
             self._recorder.after_op(self, func, args, outputs, first_new, flops)
+
+    def _note_optimizer_rows(self, outputs: list, first_new: int) -> None:
+        """Rows of what the optimizer step makes in a parameter's shape (NOTE [ The optimizer's temporaries under
+        FSDP ] in ``memory/synthesis/sharding.py``)."""
+        for t in outputs:
+            local = local_tensor(t)
+            if tuple(local.shape) in self._param_shapes:
+                sid = self._tracker.storage_id(t)
+                if sid is not None and sid >= first_new:
+                    self._note_rows(t)
 
     def add_scratch(self, nbytes: int, label: str, *, transient: bool) -> int:
         """Record memory a kernel allocates internally (freed at once when ``transient``)."""
@@ -399,6 +413,7 @@ class Tracer:
                 self._own(sid, tensor)
         for p in self.model.parameters():
             self._note_rows(p)
+        self._param_shapes = {tuple(local_tensor(p).shape) for p in trainable_parameters(self.model) if p.dim() > 0}
         # What the optimizer made in its constructor (Adagrad's sums, bitsandbytes' quantisation maps)
         # is held from the start, as the model's tensors are.
         for tensor in optimizer_tensors(self.optimizer):
