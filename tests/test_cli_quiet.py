@@ -23,7 +23,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_a_lora_fit_of_a_named_model_prints_no_other_librarys_warnings(tmp_path: Path) -> None:
+def test_a_lora_estimate_of_a_named_model_prints_no_other_librarys_warnings(tmp_path: Path) -> None:
     import transformers
 
     d = tmp_path / "tiny"
@@ -31,7 +31,8 @@ def test_a_lora_fit_of_a_named_model_prints_no_other_librarys_warnings(tmp_path:
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=64, bos_token_id=100, eos_token_id=101,
                              architectures=["LlamaForCausalLM"]).save_pretrained(d)  # fmt: skip
-    args = ["fit", str(d), "--seq-len", "64", "--device", "1GiB", "--lora", "r=4", "--checkpointing", "--json"]
+    args = ["estimate", str(d), "-b", "2", "--seq-len", "64", "--device", "1GiB", "--lora", "r=4", "--checkpointing",
+            "--json"]  # fmt: skip
     quiet = _run(args, tmp_path)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == ""

@@ -259,11 +259,10 @@ def test_building_and_tracing_prints_nothing_of_the_libraries() -> None:
         "    wl = batchfit.Workload(model=net, batch=lambda b: (torch.randn(b, 512), torch.zeros(b).long()),\n"
         "        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), optimizer=make)\n"
         "    batchfit.estimate(wl, 2, device='A100-40GB')\n"
-        "for name in ('paged_adamw_8bit', 'adamw_torch_8bit'):  # real steps on the CPU (one compiled shape)\n"
-        "    model = torch.nn.Linear(64, 128, bias=False)\n"
-        "    opt = optimizer_factory(name)(model.parameters())\n"
-        "    model(torch.randn(2, 64)).sum().backward()\n"
-        "    opt.step()\n"
+        "model = torch.nn.Linear(64, 128, bias=False)  # a real step on the CPU\n"
+        "opt = optimizer_factory('paged_adamw_8bit')(model.parameters())\n"
+        "model(torch.randn(2, 64)).sum().backward()\n"
+        "opt.step()\n"
         "print('done')\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

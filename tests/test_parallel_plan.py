@@ -7,6 +7,7 @@ group. That a traced rank is what a gloo rank holds is ``tests/test_parallel_mem
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def test_the_ladder_puts_tensor_parallelism_after_checkpointing_each_with_fsdp_a
     }
 
 
-def test_a_plan_with_a_fixed_degree_splits_per_group(llama: batchfit.Workload) -> None:
+def test_a_plan_with_a_fixed_degree_splits_per_group(llama: batchfit.Workload, monkeypatch: pytest.MonkeyPatch) -> None:
     p = plan(llama, 4, device="A100-80GB", gpus=4, tensor_parallel=2, sequence_parallel=True, precision="bf16")
     assert (p.tensor_parallel, p.sequence_parallel, p.data_parallel) == (2, True, 2)
     assert p.sharded and p.layout == ParallelLayout(2, True, fsdp=2)
@@ -171,6 +172,14 @@ def test_a_plan_with_a_fixed_degree_splits_per_group(llama: batchfit.Workload) -
     d = p.to_dict()
     assert (d["tensor_parallel"], d["sequence_parallel"], d["data_parallel"]) == (2, True, 2)
     assert describe_split(p.splits, "groups").startswith("each of 2 groups: ")
+    # A split below the largest micro-batch that fits (one item at a time, here forced) is estimated again at the
+    # micro-batch it runs: one rank's step of the layout, not the whole model's.
+    module = importlib.import_module("batchfit.planning.plan")
+    monkeypatch.setattr(module, "plan_splits", lambda config, g, gpus, micro: [[1] * 2] * config.data_parallel(gpus))
+    one = plan(llama, 4, device="A100-80GB", gpus=4, tensor_parallel=2, sequence_parallel=True, precision="bf16")
+    assert one.micro_batch_size == 1 < one.max_micro_batch_size == 2
+    rank = batchfit.estimate(llama, 1, device="A100-80GB", precision="bf16", parallel=p.layout, accumulation_steps=2)
+    assert one.estimate.peak_allocated_bytes == rank.peak_allocated_bytes
 
 
 def test_tensor_parallel_traffic_is_the_traced_collectives(llama: batchfit.Workload) -> None:
