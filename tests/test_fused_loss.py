@@ -137,3 +137,35 @@ def test_the_gpt_preset_and_an_hf_preset_take_a_fused_loss() -> None:
         wl = load(name, fused_loss="liger", n_layer=2, seq_len=64, n_embd=64, n_head=4, vocab_size=512)
         assert wl.config["fused_loss"] == "liger"
         assert batchfit.estimate(wl, 2, device="cpu").peak_allocated_bytes == measure_cpu_peak(wl, 2)
+
+
+LIGER = "Liger fused linear cross-entropy"
+
+
+def test_a_plan_held_back_by_its_logits_shows_the_fused_loss_beside_it() -> None:
+    """NOTE [ A fused loss beside a plan held back by memory ]: 4096-token vocabulary logits cost 7 MiB an item; on
+    a 500 MiB GPU the model's own loss runs 16 items in several micro-batches, the fused loss in one, faster. The
+    plan stays the user's step; the fused one is shown beside it with what turns it on."""
+    p = batchfit.plan(_workload(None), 16, device="500MiB", precision="bf16", checkpointing=False)
+    assert p.accumulation_steps > 1 and LIGER not in p.remedies
+    fused = [o for o in p.alternatives if o.remedies[:1] == (LIGER,)]
+    assert len(fused) == 1 and (fused[0].micro_batch_size, fused[0].accumulation_steps) == (16, 1)
+    assert fused[0].predicted_step_s < p.predicted_step_s
+    # the share was fitted as an accumulating step (planning/options.py): its memory is that step's
+    est = batchfit.estimate(_workload("liger"), 16, device="500MiB", precision="bf16", accumulation_steps=2)
+    assert fused[0].device_total_bytes == est.device_total_bytes <= 500 << 20
+    (line,) = [w for w in p.warnings if w.startswith(f"with the {LIGER}")]
+    assert "16 x 1 micro-batches" in line and "apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True)" in line
+
+
+def test_a_plan_that_fits_only_with_a_fused_loss_names_it() -> None:
+    """NOTE [ A fused loss when nothing else fits ]: one item of the model's own loss exceeds a 430 MiB GPU, the
+    fused loss's step fits: the plan is made with it, and says so."""
+    with pytest.raises(batchfit.DoesNotFitError):
+        batchfit.fit(_workload(None), "430MiB", precision="bf16")
+    p = batchfit.plan(_workload(None), 4, device="430MiB", precision="bf16", checkpointing=False)
+    assert p.remedies[0] == LIGER and sum(p.splits[0]) == 4
+    est = batchfit.estimate(_workload("liger"), p.micro_batch_size, device="430MiB", precision="bf16",
+                            accumulation_steps=p.accumulation_steps)  # fmt: skip
+    assert p.estimate.device_total_bytes == est.device_total_bytes <= 430 << 20
+    assert any(w.startswith(f"the plan needs the {LIGER}") for w in p.warnings)

@@ -238,7 +238,7 @@ def plan(
                  choose_blocks=setup.checkpointing == AUTO)  # fmt: skip
     walk.climb(rungs, resolve_workers(workers))
     if walk.chosen is not None:
-        return _plan_of(walk, lr)
+        return _offering_a_fused_loss(_plan_of(walk, lr), walk, rungs, resolve_workers(workers))
     fused = _fused_loss_walk(walk, rungs, resolve_workers(workers))
     if fused is None:
         raise _nothing_fits(wl, dev, gpus, rungs)
@@ -255,9 +255,9 @@ def plan(
 # gradients up to summation order) and is as fast or faster. When no rung of the ladder fits, the plan
 # walks the ladder again with it, and names the package and the call that turn it on (with what
 # installing it would buy when it is not installed here).
-def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Walk, str] | None:
-    """The walk of ``walk``'s ladder with the loss fused (an installed kind first), or None: the workload is not
-    a causal language model of transformers, its loss is fused already, or nothing fits either way."""
+def _fused_walk(walk: _Walk) -> tuple[_Walk, str] | None:
+    """A fresh walk of ``walk``'s workload with its loss fused (an installed kind first), or None: the workload is
+    not a causal language model of transformers, or its loss is fused already."""
     from ..sources.fused import KINDS, installed, with_fused_loss
 
     if walk.wl.config.get("fused_loss") or walk.wl.config.get("task") != "causal-lm":
@@ -267,11 +267,57 @@ def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Wal
         fused = with_fused_loss(walk.wl, kind)
     except ConfigError:
         return None
-    again = dataclasses.replace(walk, wl=fused, chosen=None, options=[], failed=[], traced=False)
+    return dataclasses.replace(walk, wl=fused, chosen=None, options=[], failed=[], traced=False), kind
+
+
+def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Walk, str] | None:
+    """The walk of ``walk``'s ladder with the loss fused, or None: no fused loss applies, or nothing fits either
+    way."""
+    fused = _fused_walk(walk)
+    if fused is None:
+        return None
+    again, kind = fused
     if again.progress is not None:
         again.progress(f"nothing fits with the model's own loss: walking the ladder again with a fused loss ({kind})")
     again.climb(rungs, workers)
     return None if again.chosen is None else (again, kind)
+
+
+# NOTE [ A fused loss beside a plan held back by memory ]
+# When the chosen rung fits, but not its whole share in one micro-batch or only with checkpointing, memory holds
+# it back, and a fused loss may release it: a larger micro-batch (less accumulation), fewer blocks recomputed, or
+# a cheaper rung. The rungs up to the chosen one are fitted again with the loss fused, and the fastest of them is
+# shown beside the plan when its predicted time per global batch is lower, with what turns it on. The plan itself
+# stays the step the user's code runs today: a fused loss is a change to the training script (or a package to
+# install), so it is offered, not assumed.
+def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int) -> Plan:
+    """``p``, with the fastest configuration no costlier than its own with the loss fused among its alternatives
+    and a warning naming what it would save, when memory holds ``p`` back and that one is faster (NOTE above)."""
+    from ..sources.fused import HOW, PACKAGES, fused_loss_name, installed
+
+    chosen = walk.chosen
+    assert chosen is not None
+    held_back = chosen.config.checkpointing is not None or chosen.result.max_batch_size < walk.share_of(chosen.config)
+    fused = _fused_walk(walk) if held_back and p.predicted_step_s is not None else None
+    if fused is None:
+        return p
+    again, kind = fused
+    if again.progress is not None:
+        again.progress(f"memory holds the plan back: fitting it again with a fused loss ({kind})")
+    again.climb(rungs[: rungs.index(chosen.config) + 1], workers)
+    best = min((o for _, o in again.options), key=_by_time, default=None)
+    if best is None or _by_time(best) >= p.predicted_step_s:
+        return p
+    name = fused_loss_name(kind)
+    best = dataclasses.replace(best, remedies=(name, *best.remedies))
+    distribution = PACKAGES[kind][1]
+    how = HOW[kind] if installed(kind) else f"pip install {distribution}, then {HOW[kind]}"
+    others = ", ".join(best.remedies[1:]) or "no other remedy"
+    saves = (f"with the {name} the logits are never materialised: {best.micro_batch_size} x "
+             f"{best.accumulation_steps} micro-batches ({others}) would take {best.predicted_step_s:.3g} s per global "
+             f"batch instead of {p.predicted_step_s:.3g} s; {how}")  # fmt: skip
+    return dataclasses.replace(p, alternatives=tuple(sorted((*p.alternatives, best), key=_by_time)),
+                               warnings=(*p.warnings, saves))  # fmt: skip
 
 
 def _with_the_fused_loss(p: Plan, kind: str) -> Plan:
@@ -361,7 +407,7 @@ class _Walk:
 
     def labelled(self, config: Rung, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
         """``progress`` with each line prefixed by the configuration's remedies."""
-        label = ", ".join(config.remedies) or "fp32"
+        label = ", ".join(config.remedies) or config.precision
         return None if progress is None else (lambda text: progress(f"{label}: {text}"))
 
     def fit_later(self, config: Rung, progress: Callable[[str], None] | None = None) -> None:
