@@ -9,7 +9,7 @@ batchfit's estimate for the named card.
 
 Cases: the gpt preset on a 16 GB card; Llama-3.1-8B's published config (``benchmarks/configs/``), LoRA r=16
 on q,v with bf16 weights, on one RTX 4090 at 2048 and 4096 tokens; the 7B Llama preset fine-tuned in full
-(bf16 autocast) under FSDP on 8 A100-40GB.
+(bf16 autocast) under FSDP on 8 A100-40GB and on 8 A100-80GB.
 
 Run: ``.venv/bin/python benchmarks/partial_checkpointing.py [--only NAME]`` (minutes: steps with some blocks
 checkpointed are traced at full depth).
@@ -50,6 +50,9 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
                                                                              precision="bf16-true")),
     "hf-llama-7b full, seq 4096, 8 x A100-40GB FSDP": (_preset("hf-llama-7b", seq_len=4096),
                                                         dict(global_batch_size=64, device="A100-40GB", gpus=8,
+                                                             precision="bf16")),
+    "hf-llama-7b full, seq 4096, 8 x A100-80GB FSDP": (_preset("hf-llama-7b", seq_len=4096),
+                                                        dict(global_batch_size=64, device="A100-80GB", gpus=8,
                                                              precision="bf16")),
 }  # fmt: skip
 

@@ -150,7 +150,6 @@ def test_fit_and_plan_json(capsys) -> None:
         (["fit", "mlp", "--checkpoint-blocks", "1", "--checkpointing"], "not both"),
         (["estimate", "mlp", "-b", "2", "--checkpointing=every"], "a number of blocks (12), block indices (0,4,8)"),
         (["estimate", "gpt", "-b", "2", "--checkpointing", "auto"], "does not choose checkpointing"),
-        (["fit", "mlp", "--device", "cuda", "--checkpointing", "auto"], "modelled GPU"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], fragment: str) -> None:

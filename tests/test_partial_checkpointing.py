@@ -157,6 +157,8 @@ def test_fit_auto_checkpoints_the_fewest_blocks_its_micro_batch_needs(capsys: py
     )
     looked = {a["checkpointed_blocks"]: a["device_total_bytes"] for a in got["attempts"] if a["checkpointed_blocks"]}
     assert looked == {k: total(k) for k in looked} and {fewest - 1, fewest} - {0} <= set(looked)
+    with pytest.raises(batchfit.ConfigError, match="on a modelled GPU"):  # real steps cannot look at many settings
+        batchfit.fit(wl, "cuda", checkpointing="auto")
     small = batchfit.fit(wl, dev, checkpointing="auto", max_batch_size=4)
     assert (small.max_batch_size, small.checkpointing, small.checkpointed_blocks) == (4, False, None)
     assert small.estimate.device_total_bytes == total(None, 4) <= budget
