@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,6 +115,7 @@ VARIANTS = {
     "llama on the CPU": dict(wl=_llama, device=CPU),
     "bart, checkpointed in bf16": dict(wl=lambda: _zoo("bart"), precision="bf16", checkpointing=True),
     "gpt, paged 32-bit AdamW": dict(wl=lambda: _paged_gpt()),
+    "llama, QLoRA (nf4, all-linear) in bf16 weights": dict(wl=lambda: _qlora_llama(), precision="bf16-true"),
     "gpt, gradients clipped (norms stacked)": dict(wl=lambda: _clipping_gpt(foreach=False)),
     "gpt, gradients clipped with foreach, on the CPU": dict(wl=lambda: _clipping_gpt(foreach=True), device=CPU),
 }
@@ -136,6 +138,20 @@ def _clipping_gpt(foreach: bool) -> Any:
         return optimizer
 
     return dataclasses.replace(GPT, optimizer=clipping_adamw)
+
+
+def _qlora_llama() -> Any:
+    """4-bit base weights: each matmul dequantises into scratch buffers alive together inside the op
+    (``memory/kernels/quantized.py``), freed one by one as it returns."""
+    pytest.importorskip("bitsandbytes")
+    import tempfile
+
+    from hf_tiny import llama_config_dir
+
+    from batchfit.sources import load
+
+    config = llama_config_dir(Path(tempfile.mkdtemp()), num_hidden_layers=6)
+    return load(str(config), seq_len=16, lora="r=4,targets=all-linear,quant=nf4")
 
 
 def _paged_gpt() -> Any:

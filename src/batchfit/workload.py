@@ -162,6 +162,12 @@ def _held_by(obj: Any, depth: int) -> Iterator[torch.Tensor]:
             yield from _held_by(value, depth - 1)
 
 
+def parameter_attachments(p: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a parameter carries in its attributes (a quantised weight's scales and codes: bitsandbytes'
+    ``weight.quant_state`` and its nested state, ``weight.SCB``), two plain objects deep."""
+    return list(_held_by(p, depth=2)) if vars(p) else []  # a plain parameter has no attributes: nothing to walk
+
+
 def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor the model holds before a step: parameters, buffers, and plain tensor attributes.
 
@@ -175,9 +181,8 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     for t in [*model.parameters(), *model.buffers()]:
         seen.setdefault(id(t), t)
     for p in model.parameters():
-        if vars(p):  # a plain parameter has no attributes: nothing to walk
-            for t in _held_by(p, depth=2):
-                seen.setdefault(id(t), t)
+        for t in parameter_attachments(p):
+            seen.setdefault(id(t), t)
     for module in model.modules():
         for name, value in vars(module).items():
             if not name.startswith("_"):

@@ -90,8 +90,8 @@ def _hub_workload(spec: str, task: str | None, overrides: dict[str, Any]) -> Wor
             raise ConfigError(f"the {getattr(config, 'model_type', '?')} config has no field {key!r} to --set")
         setattr(config, key, value)
     optimizer = None
-    if "optimizer" in overrides or "lr" in overrides:
-        optimizer = make_optimizer(str(overrides.get("optimizer", "adamw")), overrides.get("lr"))
+    if overrides.get("optimizer") is not None or overrides.get("lr") is not None:  # None given: the default
+        optimizer = make_optimizer(str(overrides.get("optimizer") or "adamw"), overrides.get("lr"))
     return workload_from_config(config, task=task, seq_len=overrides.get("seq_len"), name=spec, optimizer=optimizer)
 
 

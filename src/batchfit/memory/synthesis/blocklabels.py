@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...workload import parameter_attachments
 from ..trace.tracer import CPU_SCRATCH, MemoryTrace
 from .stacks import _tensors
 
@@ -305,4 +306,6 @@ def block_labels(
             modules[f"{root}.{full}"] = label
             for _, t in _tensors(module):
                 tensors.setdefault(id(t), label)
+                for held in parameter_attachments(t) if isinstance(t, nn.Parameter) else ():
+                    tensors.setdefault(id(held), label)  # a quantised weight's scales and codes: the block's too
     return modules, tensors

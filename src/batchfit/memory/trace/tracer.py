@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ...workload import model_tensors, optimizer_tensors, trainable_parameters
+from ...workload import model_tensors, optimizer_tensors, parameter_attachments, trainable_parameters
 from ..categories import Category
 from .flops import op_flops
 from .tracker import RoleBook, StorageTracker, local_tensor
@@ -286,6 +286,8 @@ class Tracer:
         """Free scratch ``add_scratch`` recorded as kept (several buffers alive together inside one op)."""
         for sid in sids:
             self.trace.events.append(~sid)
+            if self._recorder is not None:  # every event is heard, as add_scratch's are
+                self._recorder.event(self)
 
     @property
     def phase(self) -> str:
@@ -403,6 +405,8 @@ class Tracer:
         for mod in self.model.modules():
             for p in mod.parameters(recurse=False):
                 self._param_module.setdefault(id(p), mod_names[id(mod)])
+                for held in parameter_attachments(p):  # a quantised weight's scales: its module's
+                    self._param_module.setdefault(id(held), mod_names[id(mod)])
             for b in mod.buffers(recurse=False):
                 self._param_module.setdefault(id(b), mod_names[id(mod)])
         for tensor in model_tensors(self.model):
