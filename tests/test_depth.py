@@ -116,6 +116,7 @@ VARIANTS = {
     "bart, checkpointed in bf16": dict(wl=lambda: _zoo("bart"), precision="bf16", checkpointing=True),
     "gpt, paged 32-bit AdamW": dict(wl=lambda: _paged_gpt()),
     "llama, QLoRA (nf4, all-linear) in bf16 weights": dict(wl=lambda: _qlora_llama(), precision="bf16-true"),
+    "gpt, 8-bit AdamW (states sharing the quantisation maps)": dict(wl=lambda: _optimized_gpt("adamw_8bit")),
     "gpt, gradients clipped (norms stacked)": dict(wl=lambda: _clipping_gpt(foreach=False)),
     "gpt, gradients clipped with foreach, on the CPU": dict(wl=lambda: _clipping_gpt(foreach=True), device=CPU),
 }
@@ -152,6 +153,15 @@ def _qlora_llama() -> Any:
 
     config = llama_config_dir(Path(tempfile.mkdtemp()), num_hidden_layers=6)
     return load(str(config), seq_len=16, lora="r=4,targets=all-linear,quant=nf4")
+
+
+def _optimized_gpt(name: str) -> Any:
+    """bitsandbytes' 8-bit states of every weight of 4096 values or more point at the optimizer's two quantisation
+    maps: one storage held by every block's states."""
+    pytest.importorskip("bitsandbytes")
+    from batchfit.sources import optimizer_factory
+
+    return dataclasses.replace(GPT, optimizer=optimizer_factory(name))
 
 
 def _paged_gpt() -> Any:

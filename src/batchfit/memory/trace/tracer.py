@@ -367,13 +367,20 @@ class Tracer:
                 self._recorder.own(sid, p)
 
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        holders: dict[int | None, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p, state in optimizer.state.items():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     sid = self._tracker.register(value)
                     self._roles.mark(sid, Category.OPTIMIZER_STATES)
-                    self._own(sid, p)
-                    self._note_rows(value, like=p)
+                    holders.setdefault(sid, []).append((p, value))
+        for sid, held in holders.items():
+            # A state several parameters hold is none of theirs: bitsandbytes' 8-bit states all point at the
+            # optimizer's two quantisation maps (``qmap1``, ``qmap2``), made in its constructor.
+            if len(held) == 1:
+                p, value = held[0]
+                self._own(sid, p)
+                self._note_rows(value, like=p)
 
     def mark(self, phase: str, step: int) -> None:
         """Start ``phase`` of ``step`` on the timeline."""
