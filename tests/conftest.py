@@ -19,9 +19,18 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The trace cache on disk lives in this session's temporary directory, never the user's."""
+    """The trace cache on disk lives in this session's temporary directory, never the user's; xdist's workers share
+    one (the run's directory above theirs: entries are written whole and renamed into place, and an unreadable one
+    is traced again), so a step one worker traced is not traced again by the other."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = tmp_path_factory.getbasetemp().parent / "trace-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("trace-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BATCHFIT_CACHE_DIR", str(tmp_path_factory.mktemp("trace-cache")))
+        mp.setenv("BATCHFIT_CACHE_DIR", str(cache))
         yield
 
 
