@@ -304,7 +304,10 @@ def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int
     again, kind = fused
     if again.progress is not None:
         again.progress(f"memory holds the plan back: fitting it again with a fused loss ({kind})")
-    again.climb(rungs[: rungs.index(chosen.config) + 1], workers)
+    try:
+        again.climb(rungs[: rungs.index(chosen.config) + 1], workers)
+    except (ConfigError, TraceError):  # an offer that cannot be traced is not made; the plan stands
+        return p
     best = min((o for _, o in again.options), key=_by_time, default=None)
     if best is None or _by_time(best) >= p.predicted_step_s:
         return p
