@@ -245,6 +245,9 @@ def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> Non
     assert p.remedies == ("tensor parallel 2 + sequence parallel",)
     assert p.estimate.device_total_bytes <= capacity and p.splits == [[1, 1]]
     assert p.predicted_step_s is not None and p.predicted_step_s > 0
+    # The logits are what outgrew the GPU: with a fused loss the model fits whole, and the plan says so
+    fused = [o for o in p.alternatives if o.remedies[:1] == ("Liger fused linear cross-entropy",)]
+    assert fused and fused[0].tensor_parallel == 1 and fused[0].predicted_step_s < p.predicted_step_s
 
 
 class Flat(nn.Module):

@@ -106,8 +106,8 @@ def test_a_plan_chooses_what_its_setup_leaves_auto_and_keeps_what_it_fixes() -> 
     [
         (lambda: batchfit.estimate(GPT, 2, setup=Setup(precision="auto")),
          "an estimate runs one step as written and does not choose precision: give it (e.g. precision=bf16)"),
-        (lambda: batchfit.fit(GPT, "1GiB", setup=Setup(checkpointing="auto")),
-         "a fit runs one step as written and does not choose checkpointing"),
+        (lambda: batchfit.fit(GPT, "1GiB", setup=Setup(precision="auto")),
+         "a fit runs one step as written and does not choose precision"),
         (lambda: batchfit.estimate(GPT, 2, setup="bf16"), "setup must be a batchfit.Setup, got str"),
         (lambda: batchfit.plan(GPT, 8, device="1GiB", setup=Setup(accumulation_steps=2)),
          "a plan chooses the accumulation steps of its global batch"),

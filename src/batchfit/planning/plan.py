@@ -286,8 +286,10 @@ def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Wal
 # NOTE [ A fused loss beside a plan held back by memory ]
 # When the chosen rung fits, but not its whole share in one micro-batch or only with checkpointing, memory holds
 # it back, and a fused loss may release it: a larger micro-batch (less accumulation), fewer blocks recomputed, or
-# a cheaper rung. The rungs up to the chosen one are fitted again with the loss fused, and the fastest of them is
-# shown beside the plan when its predicted time per global batch is lower, with what turns it on. The plan itself
+# a cheaper rung. The rungs up to the chosen one that keep the model whole are fitted again with the loss fused
+# (a tensor-parallel rank costs minutes to trace for a large model, and logits that outgrow a GPU are often why
+# the model was split), and the fastest of them is shown beside the plan when its predicted time per global
+# batch is lower, with what turns it on. The plan itself
 # stays the step the user's code runs today: a fused loss is a change to the training script (or a package to
 # install), so it is offered, not assumed.
 def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int) -> Plan:
@@ -298,14 +300,15 @@ def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int
     chosen = walk.chosen
     assert chosen is not None
     held_back = chosen.config.checkpointing is not None or chosen.result.max_batch_size < walk.share_of(chosen.config)
-    fused = _fused_walk(walk) if held_back and p.predicted_step_s is not None else None
+    whole = [r for r in rungs[: rungs.index(chosen.config) + 1] if r.tensor_parallel == 1]  # TP ranks cost minutes
+    fused = _fused_walk(walk) if held_back and whole and p.predicted_step_s is not None else None
     if fused is None:
         return p
     again, kind = fused
     if again.progress is not None:
         again.progress(f"memory holds the plan back: fitting it again with a fused loss ({kind})")
     try:
-        again.climb(rungs[: rungs.index(chosen.config) + 1], workers)
+        again.climb(whole, workers)
     except (ConfigError, TraceError):  # an offer that cannot be traced is not made; the plan stands
         return p
     best = min((o for _, o in again.options), key=_by_time, default=None)
