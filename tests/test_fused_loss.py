@@ -169,3 +169,16 @@ def test_a_plan_that_fits_only_with_a_fused_loss_names_it() -> None:
                             accumulation_steps=p.accumulation_steps)  # fmt: skip
     assert p.estimate.device_total_bytes == est.device_total_bytes <= 430 << 20
     assert any(w.startswith(f"the plan needs the {LIGER}") for w in p.warnings)
+
+
+def test_a_fit_without_a_line_probes_where_the_totals_meet_the_budget() -> None:
+    """Liger's chunk count follows the batch, so the steps at 2 and 3 items differ and no line is drawn
+    (``planning/search.py``, ``_on_traces``). Their totals are equal (one allocator segment), so the next probe
+    doubles; the line through 3 and 6 meets the budget past the cap (a plan's share), which fits: four traces,
+    where doubling and then bisecting took seven (2, 3, 6, 12, 14, 15, 16)."""
+    wl = _workload("liger")
+    r = batchfit.fit(wl, "500MiB", precision="bf16", max_batch_size=16)
+    assert r.line is None and (r.max_batch_size, r.capped) == (16, True)
+    assert [a.batch_size for a in r.attempts] == [2, 3, 6, 16]
+    at_16 = batchfit.estimate(wl, 16, device="500MiB", precision="bf16")
+    assert r.estimate.device_total_bytes == at_16.device_total_bytes <= r.capacity_bytes

@@ -343,16 +343,45 @@ def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_
                 "memory does not grow with the batch size; check that the workload's batch function uses its "
                 "batch_size argument"
             )
-    else:  # the step's code depends on the batch size: double, then bisect, on traces
-        lo, hi = 3, 6
-        while hi <= cap and hi < _MAX_BATCH and search.fits(search.traced(hi)):
-            lo, hi = hi, hi * 2
-        hi = min(hi, cap + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if search.fits(search.traced(mid)) else (lo, mid)
-        guess = lo
+    else:  # the step's code depends on the batch size: no line, a search on traces alone
+        guess = _on_traces(search, cap)
     return _settle(min(guess, cap), lambda b: b <= cap and verify(b))
+
+
+def _on_traces(search: _Search, cap: int) -> int:
+    """The largest batch up to ``cap`` whose traced step fits, when no line can be drawn (the step's ops differ
+    between batch sizes: a loss computed in chunks whose count follows the batch, ...): 3 fits.
+
+    Each probe is where the line through two traced totals meets the budget (regula falsi: the last two fitting
+    batches while nothing above is known not to fit, else the bracket's ends), so a total that grows nearly in
+    proportion to the batch is found in a probe or two beside the two traces at 2 and 3; the bracket is halved
+    instead when a probe moved its end no nearer than halfway, and doubled while the totals do not grow.
+    """
+
+    def total(b: int) -> int:
+        return search.traced(b).device_total_bytes
+
+    below, lo, hi = 2, 3, None  # lo fits, and so does below < lo; hi (None: none known yet) does not
+    halve = False
+    while hi is None or hi - lo > 1:
+        if lo >= cap:
+            return cap
+        a, b = (below, lo) if hi is None else (lo, hi)
+        slope = (total(b) - total(a)) / (b - a)
+        if halve and hi is not None:
+            probe = (lo + hi) // 2
+        elif slope > 0:
+            probe = lo + int((search.budget - total(lo)) // slope)
+        else:
+            probe = 2 * lo
+        probe = max(lo + 1, min(probe, cap if hi is None else hi - 1))
+        span = None if hi is None else hi - lo
+        if search.fits(search.traced(probe)):
+            below, lo = lo, probe
+        else:
+            hi = probe
+        halve = span is not None and hi - lo > span // 2  # the probe barely moved the bracket: halve it next
+    return lo
 
 
 def expandable_gain(search: _Search, best: int, cap: int = _MAX_BATCH) -> int | None:
