@@ -231,7 +231,8 @@ def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> Non
     split over the vocabulary (loss parallel) and the sequence (sequence parallel), they fit."""
     from batchfit.planning.estimate import fit_estimate_at
 
-    wl = load(str(llama_config_dir(tmp_path, vocab_size=32000, max_position_embeddings=2048)), seq_len=2048)
+    wl = load(str(llama_config_dir(tmp_path, vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                   max_position_embeddings=2048)), seq_len=2048)  # fmt: skip
     device = get_device("A100-80GB")
     whole = min(
         fit_estimate_at(wl, device, Setup(checkpointing=ck), sharded, 2, 1).device_total_bytes

@@ -288,8 +288,8 @@ def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Wal
 # it back, and a fused loss may release it: a larger micro-batch (less accumulation), fewer blocks recomputed, or
 # a cheaper rung. The rungs up to the chosen one that keep the model whole are fitted again with the loss fused
 # (a tensor-parallel rank costs minutes to trace for a large model, and logits that outgrow a GPU are often why
-# the model was split), and the fastest of them is shown beside the plan when its predicted time per global
-# batch is lower, with what turns it on. The plan itself
+# the model was split) until the cheapest one fits, which is shown beside the plan when its predicted time per
+# global batch is lower, with what turns it on. The plan itself
 # stays the step the user's code runs today: a fused loss is a change to the training script (or a package to
 # install), so it is offered, not assumed.
 def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int) -> Plan:
@@ -305,6 +305,7 @@ def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int
     if fused is None:
         return p
     again, kind = fused
+    again.alternatives = 0  # the cheapest configuration that fits with it is the offer
     if again.progress is not None:
         again.progress(f"memory holds the plan back: fitting it again with a fused loss ({kind})")
     try:
@@ -391,6 +392,8 @@ class _Walk:
     said so once another rung's step ran; the first step traced failing is the plan's error instead (a
     bug in the step, not in one configuration of it)."""
     traced: bool = False
+    alternatives: int = ALTERNATIVES
+    """Configurations fitted beside the first that fits."""
 
     def share_of(self, config: Rung) -> int:
         """Items of the global batch the first rank (group) takes under ``config``."""
@@ -401,11 +404,11 @@ class _Walk:
         return _could_fit(self.wl, self.dev, config, self.gpus, int(self.dev.total_bytes * (1 - self.margin)))
 
     def first_rungs(self, rungs: list[Rung]) -> list[Rung]:
-        """The rungs the walk fits if none errs: the first 1 + ``ALTERNATIVES`` that could fit (all but the
+        """The rungs the walk fits if none errs: the first 1 + ``alternatives`` that could fit (all but the
         first can be fitted ahead, in other processes, while the walk reaches them)."""
         first: list[Rung] = []
         for config in rungs:
-            if len(first) > ALTERNATIVES:
+            if len(first) > self.alternatives:
                 break
             if not _split_after_whole(config, first) and self.could_fit(config):
                 first.append(config)
@@ -424,14 +427,14 @@ class _Walk:
                         progress=self.labelled(config, progress))  # fmt: skip
 
     def climb(self, rungs: list[Rung], workers: int) -> None:
-        """Fit the rungs in order until one fits and ``ALTERNATIVES`` more have been fitted beside it."""
+        """Fit the rungs in order until one fits and ``alternatives`` more have been fitted beside it."""
         first = self.first_rungs(rungs)
         with fit_ahead(self.wl, first, workers, self.fit_later) as ahead:
             if ahead.children and self.progress is not None:
                 self.progress(f"fitting {len(first) - 1} more configurations in {ahead.children} other "
                               f"process{'es' if ahead.children > 1 else ''}")  # fmt: skip
             for config in rungs:
-                if self.chosen is not None and len(self.options) > ALTERNATIVES:
+                if self.chosen is not None and len(self.options) > self.alternatives:
                     break
                 if self.chosen is not None and _split_after_whole(config, [self.chosen.config]):
                     continue
