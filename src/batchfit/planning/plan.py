@@ -295,7 +295,7 @@ def _fused_loss_walk(walk: _Walk, rungs: list[Rung], workers: int) -> tuple[_Wal
 def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int) -> Plan:
     """``p``, with the fastest configuration no costlier than its own with the loss fused among its alternatives
     and a warning naming what it would save, when memory holds ``p`` back and that one is faster (NOTE above)."""
-    from ..sources.fused import HOW, PACKAGES, fused_loss_name, installed
+    from ..sources.fused import fused_loss_name, how_to_turn_on
 
     chosen = walk.chosen
     assert chosen is not None
@@ -317,8 +317,7 @@ def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int
         return p
     name = fused_loss_name(kind)
     best = dataclasses.replace(best, remedies=(name, *best.remedies))
-    distribution = PACKAGES[kind][1]
-    how = HOW[kind] if installed(kind) else f"pip install {distribution}, then {HOW[kind]}"
+    how = how_to_turn_on(kind)
     others = ", ".join(best.remedies[1:]) or "no other remedy"
     saves = (f"with the {name} the logits are never materialised: {best.micro_batch_size} x "
              f"{best.accumulation_steps} micro-batches ({others}) would take {best.predicted_step_s:.3g} s per global "
@@ -329,13 +328,10 @@ def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int
 
 def _with_the_fused_loss(p: Plan, kind: str) -> Plan:
     """``p`` (planned with the fused ``kind``) saying so: the remedy, and how to turn it on."""
-    from ..sources.fused import HOW, PACKAGES, fused_loss_name, installed
+    from ..sources.fused import fused_loss_name, how_to_turn_on
 
     name = fused_loss_name(kind)
-    module, distribution = PACKAGES[kind]
-    how = f"the plan needs the {name} (the logits are never materialised): {HOW[kind]}"
-    if not installed(kind):
-        how += f"; {module} is not installed here: pip install {distribution}"
+    how = f"the plan needs the {name} (the logits are never materialised): {how_to_turn_on(kind)}"
     return dataclasses.replace(p, remedies=(name, *p.remedies), warnings=(how, *p.warnings),
                                alternatives=tuple(dataclasses.replace(o, remedies=(name, *o.remedies))
                                                   for o in p.alternatives))  # fmt: skip

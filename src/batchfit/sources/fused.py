@@ -36,6 +36,12 @@ def fused_loss_name(kind: str) -> str:
     return _NAMES[kind]
 
 
+def how_to_turn_on(kind: str) -> str:
+    """The call that turns ``kind`` on in a training script, and the ``pip install`` first where it is not installed."""
+    module, distribution = PACKAGES[kind]
+    return HOW[kind] if installed(kind) else f"{HOW[kind]}; {module} is not installed here: pip install {distribution}"
+
+
 def installed(kind: str) -> bool:
     """Whether ``kind``'s package can be imported here (looked up, not imported)."""
     import importlib.util
