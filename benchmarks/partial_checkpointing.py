@@ -1,8 +1,9 @@
 """Checkpointing only what the batch needs: the plan's choice against every block and no block, side by side.
 
 For each case the same ``batchfit.plan`` is made three times: with checkpointing left to the plan (it keeps
-the fewest first blocks its micro-batch needs, NOTE [ Checkpointing only what the micro-batch needs ] in
-``planning/partial.py``), with every block checkpointed, and with none. Each row shows the micro-batch and
+the fewest first blocks its micro-batch needs, the others kept or checkpointed selectively, whichever its cost
+model says is faster: NOTE [ Checkpointing only what the micro-batch needs ] in ``planning/partial.py``), with
+every block checkpointed, and with none. Each row shows the micro-batch and
 accumulation, the blocks recomputed, the memory per GPU and the predicted time per global batch
 (``batchfit.planning.cost``), and the plan's time against every block's. No GPU runs here: every number is
 batchfit's estimate for the named card.
@@ -101,7 +102,7 @@ def main() -> None:
 
             blocks = ("0" if not p.checkpointing else
                       f"{p.checkpointed_blocks if p.checkpointed_blocks is not None else block_count(wl)} of "
-                      f"{block_count(wl)}")  # fmt: skip
+                      f"{block_count(wl)}" + (", the rest selectively" if p.selective_rest else ""))  # fmt: skip
             ratio = ""
             if not isinstance(every, str) and every.predicted_step_s and p.predicted_step_s:
                 ratio = f"{every.predicted_step_s / p.predicted_step_s:.2f}x"

@@ -81,7 +81,8 @@ def test_some_blocks_checkpointed_reach_the_api(capsys) -> None:
     assert got["device_total_bytes"] == api.device_total_bytes
     code, out, err = _run(capsys, "estimate", *gpt, "-b", "2", "--checkpoint-blocks", "3")
     assert code == 0 and json.loads(out)["checkpointed_blocks"] == [0, 1, 2]
-    for value, blocks, selective in (("2", [0, 1], False), ("1,3", [1, 3], False), ("selective", None, True)):
+    for value, blocks, selective in (("2", [0, 1], False), ("1,3", [1, 3], False), ("selective", None, True),
+                                     ("2+selective", [0, 1], True), ("1,3+selective", [1, 3], True)):
         code, out, err = _run(capsys, "estimate", *gpt, "-b", "2", "--checkpointing", value)
         got = json.loads(out)
         assert code == 0 and got["checkpointing"], err
@@ -94,7 +95,7 @@ def test_checkpointing_takes_an_optional_value_on_estimate_and_fit() -> None:
     assert take_checkpointing(["estimate", "gpt", "--checkpointing"]) == ["estimate", "gpt", "--checkpointing=blocks"]
     assert take_checkpointing(["estimate", "--checkpointing", "gpt"]) == ["estimate", "--checkpointing=blocks", "gpt"]
     assert take_checkpointing(["fit", "gpt", "--checkpointing", "-b", "2"])[2] == "--checkpointing=blocks"
-    for value in ("auto", "12", "0,4,8", "selective", "blocks", "none"):
+    for value in ("auto", "12", "0,4,8", "selective", "12+selective", "0,4+selective", "blocks", "none"):
         assert take_checkpointing(["fit", "gpt", "--checkpointing", value]) == ["fit", "gpt", "--checkpointing", value]
     assert take_checkpointing(["plan", "gpt", "--checkpointing", "-g", "8"])[2] == "--checkpointing"  # a flag there
 

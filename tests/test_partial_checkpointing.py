@@ -52,6 +52,9 @@ def test_some_blocks_checkpointed_are_the_allocators_peak(name: str) -> None:
     assert first.checkpointing and spread.checkpointing
     assert first.peak_allocated_bytes != spread.peak_allocated_bytes  # the selection is what runs
     assert "traced at full depth (no depth synthesis): some blocks are checkpointed, not all" in first.notes
+    mixed = batchfit.estimate(wl, 2, device="cpu", checkpointing="1+selective")  # the others selectively
+    assert mixed.peak_allocated_bytes == measure_cpu_peak(wl, 2, checkpointing=(0, "selective"))
+    assert mixed.checkpointed_blocks == (0,) and mixed.selective_checkpointing
 
 
 def test_some_blocks_save_some_of_what_every_block_saves() -> None:
@@ -90,14 +93,16 @@ def test_a_selection_is_one_marker_that_pickles_by_name() -> None:
     assert checkpoint_classes(0, (torch.nn.Linear,)) == ()
 
 
-def test_training_with_some_blocks_checkpointed_is_the_unchecked_run() -> None:
-    """Two optimizer steps of a float64 model with blocks 0 and 2 checkpointed: the same losses and gradients, to the
-    bit, as without checkpointing."""
+@pytest.mark.parametrize("setting", [[0, 2], (0, 2, "selective")], ids=["blocks 0 and 2", "the rest selectively"])
+def test_training_with_some_blocks_checkpointed_is_the_unchecked_run(setting: object) -> None:
+    """Two optimizer steps of a float64 model with blocks 0 and 2 checkpointed (and the others selectively): the
+    same losses and gradients, to the bit, as without checkpointing."""
     wl = presets.get("gpt", n_layer=4, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
     torch.manual_seed(0)
     plain = wl.build_model().double()
     partial = copy.deepcopy(plain)
-    assert apply_checkpointing(partial, checkpoint_classes([0, 2], wl.checkpoint_blocks)) == 2
+    wrapped = apply_checkpointing(partial, checkpoint_classes(setting, wl.checkpoint_blocks))
+    assert wrapped == (4 if "selective" in setting else 2)  # type: ignore[operator]
     runs = []
     for model in (plain, partial):
         model.train()
@@ -165,18 +170,48 @@ def test_fit_auto_checkpoints_the_fewest_blocks_its_micro_batch_needs(capsys: py
 
 
 def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_beside_it() -> None:
+    """One item needs some of 6 blocks checkpointed: the plan weighs the fewest first blocks (the others kept) and
+    every block selectively (NOTE [ Some blocks whole, the rest selectively ]), takes the faster, and shows the
+    other and every block beside it."""
     dev = _just_short_of_one_plain_item()
     p = batchfit.plan(LONG, 4, device=dev, precision="fp32")
-    k = p.checkpointed_blocks
-    assert p.checkpointing and k is not None and 0 < k < 6
-    assert p.remedies == (f"activation checkpointing of {k} of 6 blocks",) and p.checkpointing_setting == k
     capacity = p.headroom_bytes + p.estimate.device_total_bytes  # what the plan's fit kept room for
-    at = {ck: batchfit.estimate(LONG, p.micro_batch_size, device=dev, checkpointing=ck,
-                                accumulation_steps=p.accumulation_steps).device_total_bytes
-          for ck in (k - 1, k)}  # fmt: skip
-    assert at[k] == p.estimate.device_total_bytes <= capacity < at[k - 1]  # the fewest: one fewer does not fit
+
+    def total(ck: object) -> int:
+        return batchfit.estimate(LONG, p.micro_batch_size, device=dev, checkpointing=ck,
+                                 accumulation_steps=p.accumulation_steps).device_total_bytes  # fmt: skip
+
+    partial = next(o for o in (p, *p.alternatives) if o.checkpointed_blocks and not o.selective_rest)
+    k = partial.checkpointed_blocks
+    assert 0 < k < 6 and partial.remedies == (f"activation checkpointing of {k} of 6 blocks",)
+    assert total(k) <= capacity < total(k - 1)  # the fewest: one fewer does not fit
+    assert (p.checkpointed_blocks, p.selective_rest, p.checkpointing_setting) == (0, True, "selective")
+    assert p.remedies == ("selective activation checkpointing",) and p.estimate.selective_checkpointing
+    assert total(None) > capacity >= total("selective") == p.estimate.device_total_bytes
     every = next(o for o in p.alternatives if o.remedies == ("activation checkpointing",))
-    assert every.checkpointed_blocks is None and every.predicted_step_s > p.predicted_step_s  # more recompute
+    assert every.checkpointed_blocks is None
+    assert every.predicted_step_s > partial.predicted_step_s > p.predicted_step_s  # less recompute, less time
+
+
+def test_the_fewest_blocks_with_the_rest_selective_are_the_least_that_fit() -> None:
+    """With the other blocks checkpointed selectively, the least k of the first blocks recomputed whole whose step
+    fits the budget: k fits, k - 1 does not, and fewer than without them (each selective block holds less)."""
+    from batchfit.gpu.catalog import get_device
+    from batchfit.planning.partial import fewest_blocks
+    from batchfit.workload import Setup
+
+    dev, setup = get_device("A100-80GB"), Setup(precision="fp32")
+    total = {ck: batchfit.estimate(LONG, 8, device=dev, checkpointing=ck).device_total_bytes
+             for ck in ((0, 1, "selective"), (0, 1, 2, "selective"), 3)}  # fmt: skip
+    budget = total[(0, 1, 2, "selective")]
+    assert total[(0, 1, "selective")] > budget and total[3] > budget
+    found = fewest_blocks(LONG, dev, setup, False, 1, 8, budget, selective=True)
+    assert found is not None and (found.blocks, found.setting) == (3, (0, 1, 2, "selective"))
+    assert found.estimate.device_total_bytes == budget
+    assert found.remedies(("activation checkpointing",)) == ("activation checkpointing of 3 of 6 blocks, the rest "
+                                                             "selectively",)  # fmt: skip
+    plain = fewest_blocks(LONG, dev, setup, False, 1, 8, budget)
+    assert plain is not None and plain.blocks > 3 and not plain.selective
 
 
 def test_the_trainer_runs_the_plans_blocks_within_the_gpu() -> None:
@@ -189,10 +224,13 @@ def test_the_trainer_runs_the_plans_blocks_within_the_gpu() -> None:
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), LONG.loss, global_batch_size=4,
                       device=gpu, workload=LONG)  # fmt: skip
     trainer.step(LONG.batch(4))
-    k = trainer.plan.checkpointed_blocks
-    assert k is not None and 0 < k < 6
-    wrapped = [i for i, m in enumerate(checkpoint_blocks_of(model, LONG.checkpoint_blocks)) if "forward" in vars(m)]
-    assert wrapped == list(range(k))
+    k, selective = trainer.plan.checkpointed_blocks, trainer.plan.selective_rest
+    assert k is not None and (0 < k < 6 or selective)
+    blocks = checkpoint_blocks_of(model, LONG.checkpoint_blocks)
+    wrapped = [i for i, m in enumerate(blocks) if "forward" in vars(m)]
+    assert wrapped == list(range(6 if selective else k))
+    contexts = [blocks[i].forward.args[2] is not None for i in wrapped]  # a selective policy's context_fn
+    assert contexts == [i >= k for i in wrapped]
     assert gpu.stats().num_ooms == 0 and gpu.stats().peak_reserved_bytes <= gpu.device.total_bytes
 
 
@@ -262,9 +300,10 @@ def test_a_framework_plan_keeps_the_fewest_blocks_when_it_chose_checkpointing() 
 
 
 @needs_hf
-def test_the_hugging_face_callback_turns_off_the_layers_after_the_plans_first_k() -> None:
+@pytest.mark.parametrize("selective", [False, True], ids=["the rest kept", "the rest selectively"])
+def test_the_hugging_face_callback_turns_off_the_layers_after_the_plans_first_k(selective: bool) -> None:
     """The Trainer switches every layer on (``activation_checkpointing=True``); ``BatchfitCallback`` turns the
-    others off when training begins, which is the step the plan estimated."""
+    others off when training begins (or gives them the selective policy), which is the step the plan estimated."""
     from types import SimpleNamespace
 
     from batchfit.integrations.transformers import BatchfitCallback
@@ -274,11 +313,15 @@ def test_the_hugging_face_callback_turns_off_the_layers_after_the_plans_first_k(
     model.gradient_checkpointing_enable()
     plan = SimpleNamespace(checkpointed_blocks=1, estimate=batchfit.estimate(wl, 1, device="A100-80GB"),
                            global_batch_size=2, micro_batch_size=1, accumulation_steps=2, gpus=1, device="A100-80GB",
-                           precision="fp32", checkpointing=True, headroom_bytes=0)  # fmt: skip
+                           precision="fp32", checkpointing=True, headroom_bytes=0,
+                           selective_rest=selective)  # fmt: skip
     args = SimpleNamespace(world_size=1, per_device_train_batch_size=1, gradient_accumulation_steps=2)
     lines: list[str] = []
     BatchfitCallback(plan, write=lines.append).on_train_begin(args, SimpleNamespace(is_world_process_zero=True),
                                                               None, model=model)  # fmt: skip
     layers = checkpoint_blocks_of(model, wl.checkpoint_blocks)
-    assert [m.gradient_checkpointing for m in layers] == [True, False, False, False]
-    assert "activation checkpointing of the first 1 layers" in lines[0]
+    assert [m.gradient_checkpointing for m in layers] == [True, selective, selective, selective]
+    policies = ["context_fn" in m._gradient_checkpointing_func.keywords for m in layers]
+    assert policies == [False, selective, selective, selective]
+    rest = ", the rest selectively" if selective else ""
+    assert f"activation checkpointing of the first 1 layers{rest};" in lines[0]

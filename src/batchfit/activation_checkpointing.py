@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import warnings
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -110,7 +111,25 @@ class Selective(nn.Module):
     """A marker among the checkpointed classes (never built): checkpoint them selectively (NOTE above)."""
 
 
-_MARKERS = (UseReentrant, NonReentrant, Selective)
+# NOTE [ Some blocks whole, the rest selectively ]
+# Checkpointing the first k blocks leaves the other N - k blocks' activations all kept; selective
+# checkpointing of every block keeps only their matmul outputs, and recomputes the rest for a few percent
+# of a block's forward. Between them: the first k blocks recomputed whole and the rest selectively
+# (``checkpointing=(*range(k), "selective")``, on the command line ``K+selective``). Each selective block
+# holds less than a block that keeps everything, so fewer blocks need whole recomputation for a micro-batch
+# to fit, and a block recomputed selectively costs far less than one recomputed whole: the plan weighs both
+# (``planning/partial.py``). The selection travels as the ``Only`` marker of the whole blocks with
+# ``SelectiveRest`` beside it.
+
+
+class SelectiveRest(nn.Module):
+    """A marker beside an ``Only`` marker (never built): the blocks it leaves out are checkpointed selectively
+    (NOTE [ Some blocks whole, the rest selectively ])."""
+
+
+SELECTIVE = "selective"
+
+_MARKERS = (UseReentrant, NonReentrant, Selective, SelectiveRest)
 
 
 def _is_marker(c: type) -> bool:
@@ -130,8 +149,10 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
         checkpointing: None/False (none), True or ``"blocks"`` (the workload's blocks, checkpointed as
             the workload's training does), ``"reentrant"`` (the same blocks with ``use_reentrant=True``),
             ``"selective"`` (the same blocks, their matmul outputs kept: NOTE [ Selective checkpointing ]),
-            a list of module classes (for user models), a number k (the first k of the workload's blocks)
-            or a list of block indices (those blocks: NOTE [ Checkpointing some blocks ]).
+            a list of module classes (for user models), a number k (the first k of the workload's blocks),
+            a list of block indices (those blocks: NOTE [ Checkpointing some blocks ]), or such a list
+            followed by ``"selective"`` (the other blocks selectively: NOTE [ Some blocks whole, the rest
+            selectively ]).
         blocks: the workload's ``checkpoint_blocks``.
 
     Raises:
@@ -140,6 +161,9 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     checkpointing = checked_checkpointing(checkpointing)
     if checkpointing is None:
         return ()
+    if isinstance(checkpointing, tuple) and checkpointing and checkpointing[-1] == SELECTIVE:
+        whole = checkpointing[:-1]
+        return (*checkpoint_classes("blocks", blocks), only_blocks(whole), SelectiveRest)  # type: ignore[arg-type]
     if isinstance(checkpointing, tuple) and checkpointing and isinstance(checkpointing[0], int):
         return (*checkpoint_classes("blocks", blocks), only_blocks(checkpointing))
     if checkpointing == "selective":
@@ -156,9 +180,14 @@ def checkpoint_classes(checkpointing: Checkpointing, blocks: tuple[type[nn.Modul
     return checkpointing  # type: ignore[return-value]
 
 
+_WHOLE_AND_SELECTIVE = re.compile(r"^(\d+(?:,\d+)*)\+selective$")
+
+
 def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
     """``value`` in one spelling per meaning (False and 0: None, True: ``"blocks"``, a list: a tuple, a number
-    k: the indices of the first k blocks), checked for its shape (whether a workload has the blocks is
+    k: the indices of the first k blocks; blocks whole and the rest selectively: their indices then
+    ``"selective"``, from ``"K+selective"`` (the first K), ``"i,j+selective"`` or ``(i, j, "selective")``;
+    with no block whole: ``"selective"``), checked for its shape (whether a workload has the blocks is
     checked against it, by ``checkpoint_classes``); ``auto`` also allows ``"auto"`` (a plan's choice).
 
     Raises:
@@ -169,12 +198,19 @@ def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
     if value is True:
         return "blocks"
     if isinstance(value, str):
-        if value not in ("blocks", "reentrant", "selective", *(("auto",) if auto else ())):
+        mixed = _WHOLE_AND_SELECTIVE.match(value.strip())
+        if mixed:
+            numbers = tuple(int(n) for n in mixed.group(1).split(","))
+            return _with_selective_rest(numbers[0] if len(numbers) == 1 else numbers)
+        if value not in ("blocks", "reentrant", SELECTIVE, *(("auto",) if auto else ())):
             raise ConfigError(
                 f"unknown checkpointing {value!r}; use 'blocks', 'reentrant', 'selective', a number of blocks, a list "
-                "of block indices or a list of module classes"
+                "of block indices, 'K+selective' (the first K blocks whole, the rest selectively) or a list of "
+                "module classes"
             )
         return value
+    if isinstance(value, (tuple, list)) and len(value) > 1 and value[-1] == SELECTIVE:
+        return _with_selective_rest(tuple(value[:-1]))  # indices, as a plain list of them is
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"checkpointing={value} blocks: pass a number >= 0 (the first k blocks are checkpointed)")
@@ -193,6 +229,21 @@ def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
             "nn.Module classes"
         )
     return items
+
+
+def _with_selective_rest(whole: Any) -> Checkpointing:
+    """The blocks ``whole`` (a number or indices) checkpointed whole and the others selectively, as one value."""
+    checked = checked_checkpointing(whole)
+    if checked is None:
+        return SELECTIVE  # no block whole: every block selectively
+    if not (isinstance(checked, tuple) and all(isinstance(i, int) for i in checked)):
+        raise ConfigError(f"checkpointing={whole!r} + selective: name the blocks recomputed whole by indices")
+    return (*checked, SELECTIVE)  # type: ignore[return-value]
+
+
+def rest_selective(classes: tuple[type, ...]) -> bool:
+    """Whether ``classes`` checkpoint the blocks their ``Only`` marker leaves out selectively."""
+    return SelectiveRest in classes
 
 
 def model_layers(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -309,7 +360,8 @@ def _checkpointed_forward(forward: Any, reentrant: bool, context: Any, *args: An
 
 def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     """Checkpoint every outermost module of ``classes`` (or the ones an ``Only`` marker among them selects:
-    NOTE [ Checkpointing some blocks ]); returns how many are checkpointed.
+    NOTE [ Checkpointing some blocks ]; the others selectively beside ``SelectiveRest``: NOTE [ Some blocks
+    whole, the rest selectively ]); returns how many are checkpointed, whole or selectively.
 
     A transformers model whose layers are all among ``classes`` checkpoints itself (NOTE [ Checkpointing
     a transformers model as it checkpoints itself ]). Elsewhere a block nested inside another checkpointed
@@ -318,11 +370,14 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     """
     reentrant = UseReentrant in classes
     asked = True if reentrant else (False if NonReentrant in classes else None)
-    context = None
-    if Selective in classes:
+    context = rest = None
+    if Selective in classes or SelectiveRest in classes:
         if reentrant:
             raise ConfigError("selective checkpointing runs non-reentrant; drop use_reentrant=True")
-        context = selective_context()
+        if Selective in classes:
+            context = selective_context()
+        else:
+            rest, asked = selective_context(), False  # one variant for the whole and the selective blocks
     chosen = selected_blocks(classes)
     classes = tuple(c for c in classes if not _is_marker(c))
     if not classes:
@@ -333,12 +388,18 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     covered, layers = _enable_in_transformers(model, classes, kwargs, per_layer=chosen is not None)
     checkpointed = 0
     for index, block in enumerate(checkpoint_blocks_of(model, classes, covered, layers)):
+        block_context = context
         if chosen is not None and index not in chosen:
-            if id(block) in layers:
-                block.gradient_checkpointing = False  # its model's switch turned it on with the others
-            continue
+            if rest is None:
+                if id(block) in layers:
+                    block.gradient_checkpointing = False  # its model's switch turned it on with the others
+                continue
+            block_context = rest
+            if id(block) in layers:  # the layer's own checkpoint call, with the selective policy
+                block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
+                                                                       context_fn=rest)  # fmt: skip
         if id(block) not in layers:
-            block.forward = functools.partial(_checkpointed_forward, block.forward, reentrant, context)  # type: ignore[method-assign]
+            block.forward = functools.partial(_checkpointed_forward, block.forward, reentrant, block_context)  # type: ignore[method-assign]
         checkpointed += 1
     return checkpointed
 
@@ -364,15 +425,20 @@ def checkpoint_blocks_of(
     return out
 
 
-def keep_first_blocks(model: nn.Module, classes: tuple[type, ...], blocks: int) -> int:
+def keep_first_blocks(model: nn.Module, classes: tuple[type, ...], blocks: int, selective: bool = False) -> int:
     """Turn checkpointing off in every block of ``classes`` after the first ``blocks`` that a transformers model
     switched on itself (its layers' ``gradient_checkpointing`` flags: what a ``Trainer`` turns on for every layer
-    when a plan needs only the first ``blocks``); returns how many stay checkpointed."""
+    when a plan needs only the first ``blocks``), or with ``selective`` make those blocks checkpoint selectively
+    (NOTE [ Some blocks whole, the rest selectively ]); returns how many stay checkpointed whole."""
     kept = 0
+    rest = selective_context() if selective else None
     for index, block in enumerate(checkpoint_blocks_of(model, tuple(c for c in classes if not _is_marker(c)))):
         if getattr(block, "gradient_checkpointing", False):
+            if rest is not None:  # every layer non-reentrant, as ``apply_checkpointing`` runs this setting
+                context = {} if index < blocks else {"context_fn": rest}
+                block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False, **context)
             if index < blocks:
                 kept += 1
-            else:
+            elif rest is None:
                 block.gradient_checkpointing = False
     return kept

@@ -71,10 +71,11 @@ CheckpointingOpt = Annotated[
     str | None,
     typer.Option(
         "--checkpointing",
-        metavar="[K|i,j,k|selective|auto]",
+        metavar="[K|i,j,k|selective|K+selective|auto]",
         help="Activation checkpointing: alone, every block; K, the first K blocks; 0,4,8, blocks by index; selective, "
-        "every block recomputing only what is cheap (matmul and attention outputs kept); auto (fit), the fewest first "
-        "blocks the largest micro-batch (or -b B) needs.",
+        "every block recomputing only what is cheap (matmul and attention outputs kept); K+selective, the first K "
+        "blocks whole and the rest selectively; auto (fit), the fewest first blocks the largest micro-batch (or -b B) "
+        "needs.",
     ),
 ]
 CheckpointBlocksOpt = Annotated[
@@ -84,7 +85,7 @@ CheckpointBlocksOpt = Annotated[
         help="Checkpoint only some blocks: K (the first K blocks) or block indices such as 0,4,8.",
     ),
 ]
-CHECKPOINTING_VALUE = re.compile(r"^(auto|selective|blocks|none|\d+(,\d+)*)$")
+CHECKPOINTING_VALUE = re.compile(r"^(auto|selective|blocks|none|\d+(,\d+)*(\+selective)?)$")
 """What ``--checkpointing`` of estimate and fit takes after it; anything else after a bare one is the next argument."""
 VALUED_CHECKPOINTING = ("estimate", "fit")
 
@@ -103,7 +104,7 @@ def take_checkpointing(argv: list[str]) -> list[str]:
     return out
 
 
-def checkpointing(value: str | None, some: str | None) -> str | tuple[int, ...] | None:
+def checkpointing(value: str | None, some: str | None) -> str | tuple[int | str, ...] | None:
     """``--checkpointing [VALUE]`` and ``--checkpoint-blocks`` as ``checkpointing=`` takes them.
 
     Raises:
@@ -123,9 +124,13 @@ def checkpointing(value: str | None, some: str | None) -> str | tuple[int, ...] 
     value = value.strip().lower().replace(" ", "")
     if not CHECKPOINTING_VALUE.match(value):
         raise ConfigError(f"--checkpointing takes nothing (every block), a number of blocks (12), block indices "
-                          f"(0,4,8), selective or auto; got {value!r}")  # fmt: skip
+                          f"(0,4,8), selective, 12+selective or auto; got {value!r}")  # fmt: skip
     if value in ("auto", "selective", "blocks"):
         return value
+    if value.endswith("+selective"):
+        from ..activation_checkpointing import checked_checkpointing  # torch: not imported for --help
+
+        return checked_checkpointing(value)  # type: ignore[return-value]
     parts = value.split(",")
     if len(parts) == 1:
         return tuple(range(int(parts[0]))) or None

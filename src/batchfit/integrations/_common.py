@@ -172,8 +172,9 @@ def _first_fitting(
 
 
 def _with_fewest_blocks(workload: Workload, found: Any, dev: Device) -> Any:
-    """``found``, when it checkpoints every block, with the fewest first blocks its micro-batch needs
-    (NOTE [ Checkpointing only what the micro-batch needs ] in ``planning/partial.py``), its estimate and time."""
+    """``found``, when it checkpoints every block, with the fewest first blocks its micro-batch needs, the others
+    kept or checkpointed selectively, whichever is predicted faster (NOTE [ Checkpointing only what the
+    micro-batch needs ] in ``planning/partial.py``), its estimate and time."""
     from ..memory.states import state_bytes
     from ..planning.cost import predict_step_time
     from ..planning.partial import fewest_blocks
@@ -184,18 +185,24 @@ def _with_fewest_blocks(workload: Workload, found: Any, dev: Device) -> Any:
     wl = with_accumulation(workload, 2 if steps > 1 else 1)
     capacity = found.headroom_bytes + found.estimate.device_total_bytes  # Plan: headroom = capacity - total
     setup = Setup(precision=found.precision, checkpointing="blocks")
-    fewest = fewest_blocks(wl, dev, setup, False, 1, found.micro_batch_size, capacity)
-    if fewest is None:
+    timed = []
+    for selective in (False, True):  # the other blocks kept, or checkpointed selectively: the faster one
+        fewest = fewest_blocks(wl, dev, setup, False, 1, found.micro_batch_size, capacity, selective=selective)
+        if fewest is None:
+            continue
+        chosen = Setup(precision=found.precision, checkpointing=fewest.setting)
+        trace = trace_for_device(wl, found.micro_batch_size, dev, chosen.policy(dev), chosen.classes(wl))
+        seconds = predict_step_time(
+            trace, dev, precision=found.precision, micro_batches=steps, gpus=found.gpus, sharded=False,
+            interconnect=found.interconnect, state_bytes=state_bytes(wl, chosen.policy(dev).param_dtype).as_tuple(),
+        ).total_s  # fmt: skip
+        timed.append((seconds, fewest))
+    if not timed:
         return found
-    setup = Setup(precision=found.precision, checkpointing=fewest.blocks)
-    trace = trace_for_device(wl, found.micro_batch_size, dev, setup.policy(dev), setup.classes(wl))
-    seconds = predict_step_time(
-        trace, dev, precision=found.precision, micro_batches=steps, gpus=found.gpus, sharded=False,
-        interconnect=found.interconnect, state_bytes=state_bytes(wl, setup.policy(dev).param_dtype).as_tuple(),
-    ).total_s  # fmt: skip
+    seconds, fewest = min(timed, key=lambda t: t[0])
     est = fewest.estimate if steps == 1 else dataclasses.replace(fewest.estimate, accumulation_steps=steps)
-    return dataclasses.replace(found, checkpointed_blocks=fewest.blocks, estimate=est,
-                               remedies=fewest.remedies(found.remedies),
+    return dataclasses.replace(found, checkpointed_blocks=fewest.blocks, selective_rest=fewest.selective,
+                               estimate=est, remedies=fewest.remedies(found.remedies),
                                headroom_bytes=capacity - est.device_total_bytes, predicted_step_s=seconds)  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from ..activation_checkpointing import keep_first_blocks
 from ..errors import ConfigError
 from ..memory.trace.fake_step import fake_model
+from ..report.tables import checkpointing_words
 from ..runtime.monitor import MemoryMonitor
 from ..train.distributed import decided_on_main
 from ..units import format_bytes
@@ -211,10 +212,11 @@ def _with_layers(workload: Workload) -> Workload:
 
 
 def _checkpointing_words(plan: Any) -> str:
-    blocks = getattr(plan, "checkpointed_blocks", None)
     if not plan.checkpointing:
         return ""
-    return ", activation checkpointing" + ("" if blocks is None else f" of the first {blocks} layers")
+    if getattr(plan, "checkpointed_blocks", None) is None:
+        return ", activation checkpointing"
+    return ", activation checkpointing of " + checkpointing_words(plan).replace("blocks", "layers")
 
 
 # -- while it trains -------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ class BatchfitCallback(TrainerCallback):
         blocks = getattr(p, "checkpointed_blocks", None)
         model = kwargs.get("model")
         if blocks is not None and model is not None:  # the Trainer switched every layer on: the plan needs fewer
-            keep_first_blocks(model, checkpoint_layers(model), blocks)
+            keep_first_blocks(model, checkpoint_layers(model), blocks, getattr(p, "selective_rest", False))
         world = args.world_size
         ran = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         if state.is_world_process_zero:

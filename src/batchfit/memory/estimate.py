@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
-from ..activation_checkpointing import Selective, selected_blocks
+from ..activation_checkpointing import Selective, rest_selective, selected_blocks
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
@@ -89,7 +89,8 @@ class Estimate:
     """With ``checkpointing``: the blocks checkpointed, by index (NOTE [ Checkpointing some blocks ] in
     ``activation_checkpointing.py``); None: every block of the checkpointed classes."""
     selective_checkpointing: bool = False
-    """The checkpointed blocks recompute only their cheap ops (NOTE [ Selective checkpointing ])."""
+    """The checkpointed blocks recompute only their cheap ops (NOTE [ Selective checkpointing ]); with
+    ``checkpointed_blocks``, the blocks outside them do (NOTE [ Some blocks whole, the rest selectively ])."""
     paged_optimizer_bytes: int = 0
     """Optimizer states in CUDA unified memory (a paged bitsandbytes optimizer on a GPU): outside the
     caching allocator, so in neither ``peak_allocated_bytes`` nor ``peak_reserved_bytes``; held on the GPU
@@ -343,7 +344,7 @@ def finish_estimate(
         accumulation_steps=workload.accumulation_steps,
     )
     return dataclasses.replace(est, checkpointed_blocks=selected_blocks(classes),
-                               selective_checkpointing=Selective in classes)  # fmt: skip
+                               selective_checkpointing=Selective in classes or rest_selective(classes))  # fmt: skip
 
 
 def with_accumulation(workload: Workload, accumulation_steps: int | None) -> Workload:

@@ -55,6 +55,8 @@ class PlanOption:
     sequence_parallel: bool = False
     checkpointed_blocks: int | None = None
     """With ``checkpointing``: the first this many blocks are checkpointed; None: every block."""
+    selective_rest: bool = False
+    """With ``checkpointed_blocks``: the blocks after them are checkpointed selectively."""
 
 
 def _by_time(option: PlanOption) -> float:

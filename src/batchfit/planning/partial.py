@@ -10,7 +10,9 @@ the two ends, estimated at the plan's micro-batch, give a first guess of the lea
 and each look narrows the range where it lies (memory only falls as k grows) and guesses again from
 the range's ends. Each of those steps is traced at full depth (a stack half checkpointed is not
 periodic), so the search looks at as few as it can: two when the memory falls by the same amount per
-block.
+block. With ``selective``, the blocks after the first k are checkpointed selectively instead of not at all
+(NOTE [ Some blocks whole, the rest selectively ]): k = 0 is every block selectively, and the least k is
+smaller, each block it spares recomputing only its cheap ops.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..activation_checkpointing import checkpoint_blocks_of, selected_blocks
+from ..activation_checkpointing import SELECTIVE, Checkpointing, checkpoint_blocks_of, selected_blocks
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
 from ..memory.estimate import Estimate, with_accumulation
@@ -29,21 +31,40 @@ from ..workload import Setup, Workload
 from .estimate import fit_estimate_at
 from .search import FitAttempt, FitResult
 
-__all__ = ["BlockSearch", "FewestBlocks", "block_count", "fewest_blocks", "with_fewest_blocks"]
+__all__ = ["BlockSearch", "FewestBlocks", "block_count", "blocks_setting", "fewest_blocks", "with_fewest_blocks"]
 
 
 @dataclass(frozen=True)
 class FewestBlocks:
-    """The first ``blocks`` of ``of`` blocks checkpointed: the least recompute whose step fits, its estimate."""
+    """The first ``blocks`` of ``of`` blocks checkpointed (with ``selective``, the others selectively): the least
+    recompute whose step fits, its estimate."""
 
     blocks: int
     of: int
     estimate: Estimate
+    selective: bool = False
+
+    @property
+    def setting(self) -> Checkpointing:
+        """What ``checkpointing=`` takes for this step."""
+        return blocks_setting(self.blocks, self.of, self.selective)
 
     def remedies(self, every_block: tuple[str, ...]) -> tuple[str, ...]:
         """A plan's remedies ``every_block`` (checkpointing every block among them) with these blocks named."""
         named = f"activation checkpointing of {self.blocks} of {self.of} blocks"
+        if self.selective:
+            named = (f"{named}, the rest selectively" if self.blocks else "selective activation checkpointing")
         return tuple(named if r == "activation checkpointing" else r for r in every_block)
+
+
+def blocks_setting(k: int, of: int, selective: bool = False) -> Checkpointing:
+    """``checkpointing=`` for the first ``k`` of ``of`` blocks checkpointed whole, with ``selective`` the others
+    selectively (None: nothing checkpointed)."""
+    if k >= of:
+        return "blocks"
+    if selective:
+        return (*range(k), SELECTIVE) if k else SELECTIVE
+    return k or None
 
 
 def block_count(wl: Workload) -> int:
@@ -58,40 +79,44 @@ def block_count(wl: Workload) -> int:
 
 def fewest_blocks(
     wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, micro: int, budget: int,
-    announce: Callable[[str], None] | None = None,
+    announce: Callable[[str], None] | None = None, selective: bool = False,
 ) -> FewestBlocks | None:  # fmt: skip
     """The fewest first blocks of ``wl`` to checkpoint for one rank's step at ``micro`` items to fit ``budget``
-    bytes (what the device shows), under ``setup`` otherwise; None when that is every block (or none is needed,
-    or the model has fewer than two blocks). See the NOTE above."""
-    search = BlockSearch(wl, dev, setup, sharded, gpus, micro, budget, announce)
+    bytes (what the device shows), under ``setup`` otherwise (with ``selective``, the others selectively); None
+    when that is every block (or, without ``selective``, none is needed), or the model has fewer than two
+    blocks. See the NOTE above."""
+    search = BlockSearch(wl, dev, setup, sharded, gpus, micro, budget, announce, selective)
     if search.of < 2:
         return None
     k = search.least()
-    if k is None or not 0 < k < search.of:
+    if k is None or k >= search.of or (k == 0 and not selective):
         return None
-    return FewestBlocks(k, search.of, search.at(k))
+    return FewestBlocks(k, search.of, search.at(k), selective)
 
 
 class BlockSearch:
-    """The search for the least k of the model's N blocks whose step (the first k checkpointed) fits ``budget``,
-    one rank's step at ``micro`` items; ``looked`` keeps every step it estimated, by k."""
+    """The search for the least k of the model's N blocks whose step (the first k checkpointed; with ``selective``
+    the others selectively) fits ``budget``, one rank's step at ``micro`` items; ``looked`` keeps every step it
+    estimated, by k."""
 
     def __init__(
         self, wl: Workload, dev: Device, setup: Setup, sharded: bool, gpus: int, micro: int, budget: int,
-        announce: Callable[[str], None] | None = None,
+        announce: Callable[[str], None] | None = None, selective: bool = False,
     ) -> None:  # fmt: skip
         self.wl, self.dev, self.setup, self.sharded, self.gpus = wl, dev, setup, sharded, gpus
-        self.micro, self.budget, self.announce = micro, budget, announce
+        self.micro, self.budget, self.announce, self.selective = micro, budget, announce, selective
         self.of = block_count(wl)
         self.looked: dict[int, Estimate] = {}
 
     def at(self, k: int) -> Estimate:
-        """The estimate with the first ``k`` blocks checkpointed (0: none, N: every block)."""
+        """The estimate with the first ``k`` blocks checkpointed (0: none, or every block selectively; N: every
+        block)."""
         if k not in self.looked:
             n, micro = self.of, self.micro
-            if self.announce is not None and 0 < k < n:
-                self.announce(f"checkpointing {k} of {n} blocks at {micro} item{'s' if micro != 1 else ''}")
-            ck = None if k == 0 else ("blocks" if k == n else k)
+            if self.announce is not None and (0 < k < n or (k == 0 and self.selective)):
+                rest = ", the rest selectively" if self.selective else ""
+                self.announce(f"checkpointing {k} of {n} blocks{rest} at {micro} item{'s' if micro != 1 else ''}")
+            ck = blocks_setting(k, n, self.selective)
             setup = dataclasses.replace(self.setup, checkpointing=ck)
             self.looked[k] = fit_estimate_at(self.wl, self.dev, setup, self.sharded, self.gpus, micro)
         return self.looked[k]
@@ -100,8 +125,8 @@ class BlockSearch:
         return self.at(k).device_total_bytes <= self.budget
 
     def least(self) -> int | None:
-        """The least k that fits (0: no checkpointing needed; N: every block), None: not even N fits, or the
-        model has no blocks to number."""
+        """The least k that fits (0: no checkpointing needed, or every block selectively; N: every block), None:
+        not even N fits, or the model has no blocks to number."""
         n = self.of
         if n == 0:
             return None

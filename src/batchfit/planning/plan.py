@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..activation_checkpointing import Checkpointing
+from ..activation_checkpointing import SELECTIVE, Checkpointing
 from ..advice.lr import lr_scaling
 from ..batching import check_batch_size, rank_shares
 from ..errors import ConfigError, TraceError
@@ -98,13 +99,21 @@ class Plan:
     checkpointed_blocks: int | None = None
     """With ``checkpointing``: the first this many blocks are checkpointed, the fewest the micro-batch needs
     (NOTE [ Checkpointing only what the micro-batch needs ]); None: every block."""
+    selective_rest: bool = False
+    """With ``checkpointed_blocks``: the blocks after them are checkpointed selectively (NOTE [ Some blocks
+    whole, the rest selectively ]; 0 blocks: every block selectively)."""
 
     @property
-    def checkpointing_setting(self) -> int | str | None:
-        """What ``checkpointing=`` takes for this plan's step: None, ``"blocks"`` or the number of blocks."""
+    def checkpointing_setting(self) -> Checkpointing:
+        """What ``checkpointing=`` takes for this plan's step: None, ``"blocks"``, the number of blocks, or the
+        first blocks' indices then ``"selective"`` (or ``"selective"`` alone)."""
         if not self.checkpointing:
             return None
-        return "blocks" if self.checkpointed_blocks is None else self.checkpointed_blocks
+        if self.checkpointed_blocks is None:
+            return "blocks"
+        if self.selective_rest:
+            return (*range(self.checkpointed_blocks), SELECTIVE) if self.checkpointed_blocks else SELECTIVE
+        return self.checkpointed_blocks
 
     @property
     def data_parallel(self) -> int:
@@ -465,13 +474,14 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     result, config, fitted_wl = chosen.result, chosen.config, chosen.rank_workload(gpus)
     picked = next(o for f, o in walk.options if f is chosen)
     others = [o for f, o in walk.options if f is not chosen]
-    remedies, blocks, split_at = config.remedies, None, result.max_batch_size
+    remedies, blocks, split_at, selective = config.remedies, None, result.max_batch_size, False
     fewer = _fewer_blocks(walk) if walk.choose_blocks and config.checkpointing == "blocks" else []
     if fewer:
         others.append(picked)  # every block checkpointed: shown beside it, with its time
         (picked, est), *rest = sorted(fewer, key=lambda f: _by_time(f[0]))
         others += [option for option, _ in rest]
         remedies, blocks, split_at = picked.remedies, picked.checkpointed_blocks, picked.micro_batch_size
+        selective = picked.selective_rest
     splits = plan_splits(config, global_batch_size, gpus, split_at)
     micro = max(max(s) for s in splits)
     if not fewer:
@@ -517,6 +527,7 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
         tensor_parallel=config.tensor_parallel,
         sequence_parallel=config.sequence_parallel,
         checkpointed_blocks=blocks,
+        selective_rest=selective,
     )
 
 
@@ -534,21 +545,23 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
     if micro > 1:
         sizes.append(max(max(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, micro - 1)))
     out = []
-    for size in sizes:
+    for size, selective in itertools.product(sizes, (False, True)):
         steps = max(len(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, size))
         accumulation = 2 if steps > 1 else 1
         wl = with_accumulation(chosen.rank_workload(walk.gpus), accumulation)  # a tensor-parallel rank's own step
-        fewest = fewest_blocks(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress)
+        fewest = fewest_blocks(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress,
+                               selective)  # fmt: skip
         if fewest is None:
             continue
-        partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.blocks))
+        partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.setting))
         setup = partial.setup
         trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
         whole = with_accumulation(chosen.workload, accumulation)  # the cost model splits the whole model itself
         option = timed_option(partial, whole, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size, trace,
                               fewest.estimate.device_total_bytes, result.capacity_bytes,
                               fewest.remedies(config.remedies))  # fmt: skip
-        out.append((dataclasses.replace(option, checkpointed_blocks=fewest.blocks), fewest.estimate))
+        option = dataclasses.replace(option, checkpointed_blocks=fewest.blocks, selective_rest=selective)
+        out.append((option, fewest.estimate))
     return out
 
 

@@ -25,13 +25,25 @@ def paged_note(paged_bytes: int) -> str:
     )
 
 
+def checkpointing_words(plan: Any) -> str:
+    """Which blocks a checkpointing plan recomputes, in words: every block, the first k, the rest selectively."""
+    blocks = getattr(plan, "checkpointed_blocks", None)
+    if blocks is None:
+        return "every block"
+    if not getattr(plan, "selective_rest", False):
+        return f"the first {blocks} blocks"
+    return f"the first {blocks} blocks, the rest selectively" if blocks else "every block, selectively"
+
+
 def estimate_table(est: Any, *, top_modules: int = 8) -> Group:
     """Breakdown at the peak, top modules, analytic vs traced, and the device's headroom."""
     blocks = getattr(est, "checkpointed_blocks", None)
     checkpointing = " · checkpointing" if est.checkpointing else ""
+    selective = est.checkpointing and getattr(est, "selective_checkpointing", False)
     if est.checkpointing and blocks is not None:
         checkpointing += f" {len(blocks)} block{'s' if len(blocks) != 1 else ''}"
-    if est.checkpointing and getattr(est, "selective_checkpointing", False):
+        checkpointing += " (the rest selective)" if selective else ""
+    elif selective:
         checkpointing += " (selective)"
     title = (
         f"{est.workload} · batch {est.batch_size} · {est.precision}{checkpointing}"
@@ -199,9 +211,7 @@ def plan_table(plan: Any) -> Group:
     )
     head.add_row("splits per optimizer step", describe_split(plan.splits, "ranks" if tp == 1 else "groups"))
     head.add_row("precision", plan.precision)
-    blocks = getattr(plan, "checkpointed_blocks", None)
-    checkpointing = "every block" if blocks is None else f"the first {blocks} blocks"
-    checkpointing = checkpointing if plan.checkpointing else "no"
+    checkpointing = checkpointing_words(plan) if plan.checkpointing else "no"
     head.add_row("activation checkpointing", checkpointing)
     head.add_row("sharding (FSDP)", "yes" if plan.sharded else "no")
     if tp > 1:

@@ -353,8 +353,8 @@ class Trainer:
         if getattr(plan, "checkpointing", False):
             from ..activation_checkpointing import apply_checkpointing, checkpoint_classes
 
-            blocks = getattr(plan, "checkpointed_blocks", None)  # the first k blocks, the fewest the plan needs
-            classes = checkpoint_classes("blocks" if blocks is None else blocks, workload.checkpoint_blocks)
+            # every block, or the fewest first blocks the plan needs (the rest selectively, where it chose so)
+            classes = checkpoint_classes(plan.checkpointing_setting, workload.checkpoint_blocks)
             wrapped = apply_checkpointing(self.model, classes)
             log.info("the plan needs activation checkpointing: %d blocks of %s checkpointed", wrapped, classes)
         self.plan, self.micro_batch_size = plan, planned_micro_batch_size(plan, self.global_batch_size)
