@@ -115,7 +115,7 @@ def test_expandable_segments_are_offered_where_fragmentation_stops_the_next_batc
     assert alive.device_total_bytes > r.capacity_bytes
 
 
-def test_a_plan_that_accumulates_names_the_free_remedy() -> None:
+def test_a_plan_that_accumulates_names_the_free_remedy_and_ranks_it() -> None:
     import re
 
     wl = batchfit.presets.get("mlp")
@@ -129,3 +129,11 @@ def test_a_plan_that_accumulates_names_the_free_remedy() -> None:
     est = batchfit.estimate(wl, larger, device="2GiB", precision="fp32", accumulation_steps=p.accumulation_steps,
                             expandable_segments=True)  # fmt: skip
     assert est.device_total_bytes <= r.capacity_bytes
+    setting = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert not [o for o in p.alternatives if setting in o.remedies]  # 3 micro-batches either way: no option
+    # where it cuts the micro-batches per step: ranked with the other options by its time
+    q = batchfit.plan(wl, 2 * larger, device="2GiB", precision="fp32", checkpointing=False)
+    (option,) = [o for o in q.alternatives if setting in o.remedies]
+    assert (option.max_micro_batch_size, option.remedies) == (larger, (*q.remedies, setting))
+    assert (option.accumulation_steps, q.accumulation_steps) == (2, 3)
+    assert option.predicted_step_s < q.predicted_step_s

@@ -497,6 +497,7 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     )
     if result.expandable_max_batch_size and accumulation > 1:  # a larger micro-batch would cut the accumulation
         warnings += (expandable_remedy(result.max_batch_size, result.expandable_max_batch_size),)
+        others += _expandable_option(walk, result.expandable_max_batch_size, accumulation)
     if result.known_error:
         warnings += (result.known_error,)
     alternatives = tuple(sorted(others, key=_by_time))
@@ -563,6 +564,35 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
         option = dataclasses.replace(option, checkpointed_blocks=fewest.blocks, selective_rest=selective)
         out.append((option, fewest.estimate))
     return out
+
+
+EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+"""The remedy of an option that needs expandable segments: the setting, as the user makes it."""
+
+
+def _expandable_option(walk: _Walk, size: int, accumulation: int) -> list[PlanOption]:
+    """The chosen rung with expandable segments at the larger micro-batch its fit predicted for them, as an option
+    with its time (fewer micro-batches per step than the plan's ``accumulation``), ranked with the others; empty
+    when the larger micro-batch does not cut the micro-batches per step, or the step estimated at the split's
+    micro-batch, with expandable segments and the gradients alive, does not fit after all. The plan itself keeps
+    the allocator as it is: the setting must be made before the process first touches CUDA."""
+    chosen = walk.chosen
+    assert chosen is not None
+    config, result, dev, gpus = chosen.config, chosen.result, walk.dev, walk.gpus
+    grown = dataclasses.replace(config, setup=config.setup.with_fields(expandable_segments=True))
+    splits = plan_splits(grown, walk.global_batch_size, gpus, size)
+    micro, steps = max(max(s) for s in splits), max(len(s) for s in splits)
+    if steps >= accumulation:
+        return []
+    wl = with_accumulation(chosen.rank_workload(gpus), 2 if steps > 1 else 1)
+    shards, setup = config.arithmetic_shards(gpus), grown.setup
+    est = fit_estimate_at(wl, dev, setup, shards > 1, shards, micro)
+    if est.device_total_bytes > result.capacity_bytes:
+        return []
+    trace = trace_for_device(setup.workload(wl), micro, dev, setup.policy(dev), setup.classes(wl))
+    whole = with_accumulation(chosen.workload, 2 if steps > 1 else 1)
+    return [timed_option(grown, whole, dev, gpus, walk.global_batch_size, walk.interconnect, size, trace,
+                         est.device_total_bytes, result.capacity_bytes, (*config.remedies, EXPANDABLE))]  # fmt: skip
 
 
 def _split_after_whole(config: Rung, before: list[Rung]) -> bool:
