@@ -2,8 +2,7 @@
 
 The rows, the Trainer setup each one models and why are in ``benchmarks/calibration.py``; this file
 asserts the model-weights row and the five AdamW rows (the benchmark also checks the two Adafactor rows).
-Each row traces bert-large at full size (24 layers, sequence 512), so the rows run in two worker
-processes.
+Each row estimates bert-large at full size (24 layers, sequence 512).
 
 NOTE [ Tolerance ]
 Every row must be within ``calibration.TOLERANCE`` (2%) of HF's figure; today all are within 0.4% (the
@@ -24,11 +23,7 @@ catches rows that move relative to each other.
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import os
-import site
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -65,18 +60,9 @@ def _tested() -> list[int]:
 
 @pytest.fixture(scope="module")
 def totals(calibration: ModuleType) -> dict[int, float]:
-    """Our nvidia-smi figure (MiB) for every tested row, computed in two spawned worker processes."""
-    rows = calibration.ROWS
-    # Longest first (accumulation windows and recomputation cost the most), so the two workers finish together.
-    order = sorted(_tested(), key=lambda i: -(rows[i].accumulation_steps * (2 if rows[i].checkpointing else 1)))
-    with ProcessPoolExecutor(
-        max_workers=min(2, os.cpu_count() or 1),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=site.addsitedir,
-        initargs=(str(BENCHMARKS),),
-    ) as pool:
-        futures = {i: pool.submit(calibration.row_total_bytes, i) for i in order}
-        return {i: f.result() / MiB for i, f in futures.items()}
+    """Our nvidia-smi figure (MiB) for every tested row, computed here: depth synthesis writes each row's 24 layers
+    from a few, about 20 s for the five, less than worker processes would take to import torch and transformers."""
+    return {i: calibration.row_total_bytes(i) / MiB for i in _tested()}
 
 
 def test_model_weights_row(calibration: ModuleType) -> None:

@@ -247,8 +247,10 @@ class Setup:
     the cheapest that fits."""
     checkpointing: Checkpointing = None
     """None (none), ``"blocks"`` (the workload's blocks; True means the same), ``"reentrant"`` (the same
-    blocks with ``use_reentrant=True``) or module classes; ``"auto"`` in ``plan``: only if nothing fits
-    without it."""
+    blocks with ``use_reentrant=True``), ``"selective"`` (every block keeps its matmul outputs), a number k
+    (the first k blocks) or block indices, ``"K+selective"`` (the first K whole, the rest selectively) or
+    module classes; ``"auto"`` in ``fit`` and ``plan``: the least recompute that fits (``batchfit.
+    activation_checkpointing``)."""
     accumulation_steps: int | None = None
     """Micro-batches per optimizer step (None: the workload's own, 1 by default). Above 1 the gradients of
     the earlier micro-batches are alive through the later ones' forward and backward."""

@@ -321,7 +321,10 @@ def _offering_a_fused_loss(p: Plan, walk: _Walk, rungs: list[Rung], workers: int
         again.climb(whole, workers)
     except (ConfigError, TraceError):  # an offer that cannot be traced is not made; the plan stands
         return p
-    best = min((o for _, o in again.options), key=_by_time, default=None)
+    offers = [o for _, o in again.options]
+    if again.choose_blocks and again.chosen is not None and again.chosen.config.checkpointing == "blocks":
+        offers += [o for o, _ in _fewer_blocks(again)]  # fewer blocks recomputed, as the plan itself would
+    best = min(offers, key=_by_time, default=None)
     if best is None or _by_time(best) >= p.predicted_step_s:
         return p
     name = fused_loss_name(kind)
