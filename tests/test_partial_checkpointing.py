@@ -283,18 +283,24 @@ def test_selective_checkpointing_refuses_the_reentrant_variant() -> None:
 
 def test_a_framework_plan_keeps_the_fewest_blocks_when_it_chose_checkpointing() -> None:
     """The adapters' plan (equal micro-batches): a rung it turned checkpointing on for keeps the fewest first
-    blocks, found as ``batchfit.plan`` finds them; one the user fixed keeps every block."""
+    blocks whole (the others kept or selective, the faster), found as ``batchfit.plan`` finds them; one the user
+    fixed keeps every block."""
     from batchfit.integrations._common import equal_plan
+    from batchfit.planning.partial import blocks_setting
 
     gpu = _just_short_of_one_plain_item()
     rungs = [("fp32", False), ("fp32", True)]
     chosen = equal_plan(LONG, 4, device=gpu, world_size=1, rungs=rungs, framework="a test", choose_blocks=True)
-    k = chosen.checkpointed_blocks
-    assert chosen.checkpointing and k is not None and 0 < k < 6
+    k, selective = chosen.checkpointed_blocks, chosen.selective_rest
+    assert chosen.checkpointing and k is not None and (0 < k < 6 or selective)
     capacity = chosen.headroom_bytes + chosen.estimate.device_total_bytes
-    fewer = batchfit.estimate(LONG, chosen.micro_batch_size, device=gpu, checkpointing=k - 1,
-                              accumulation_steps=chosen.accumulation_steps)  # fmt: skip
-    assert chosen.estimate.device_total_bytes <= capacity < fewer.device_total_bytes
+
+    def total(ck: object) -> int:
+        return batchfit.estimate(LONG, chosen.micro_batch_size, device=gpu, checkpointing=ck,
+                                 accumulation_steps=chosen.accumulation_steps).device_total_bytes  # fmt: skip
+
+    fewer = blocks_setting(k - 1, 6, selective) if k else None  # one block fewer whole (or nothing at all)
+    assert chosen.estimate.device_total_bytes == total(chosen.checkpointing_setting) <= capacity < total(fewer)
     fixed = equal_plan(LONG, 4, device=gpu, world_size=1, rungs=rungs, framework="a test")
     assert fixed.checkpointing and fixed.checkpointed_blocks is None
 
