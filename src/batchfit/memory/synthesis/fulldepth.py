@@ -360,6 +360,16 @@ class _Writer(SweepReader):
             if not (freed.issuperset(map(numbered, freed_in_both)) and freed.isdisjoint(map(numbered, kept_in_both))):
                 raise Irregular("a written block's storage lives differently from the traced blocks' own")
 
+    # NOTE [ A storage carried into a sweep ]
+    # A turn may free a storage made before its sweep began, where the other middle turn frees its neighbour's
+    # (``_carried``): a loop variable each turn drops for its own, or a storage the turn before it made outside
+    # its own turn. FSDP2 beside sequence parallelism does the second: it unshards a block in the backward of
+    # what runs before it (the last block's all-gather buffer is made in the final norm's backward, before the
+    # backward sweep's first turn), and each block's turn frees the buffer of the block before it in the sweep.
+    # At full depth the storage goes to the block next to the same end turn in the sweep's order: the block
+    # after the first in an ascending sweep (the cut and full stacks agree there), the block before the last
+    # block's period in a descending one, where the written blocks lie between them and the cut stack's
+    # middle turn.
     def _reading(self, sweep: Sweep, phase: int, ra: tuple, rb: tuple) -> tuple[tuple[Key, int] | None, list[tuple]]:
         """What a block between the ends frees or hands over where the two middle turns freed ``ra`` and
         ``rb``: ``(between, ends)``. ``between`` is what the middle turns do between themselves, the
@@ -375,8 +385,9 @@ class _Writer(SweepReader):
         for ref, block in ((ra, phase + st.period), (rb, phase + 2 * st.period)):
             if self._to_middle(ref, sweep.stack, block):
                 between = (ref[2], ref[1])
-            elif ref[0] == "fixed":  # made before the sweep (``_carried``): that middle turn's own alone
-                ends.append((st.full_of(block), None, ref[1]))
+            elif ref[0] == "fixed":  # made before the sweep: NOTE [ A storage carried into a sweep ]
+                before = block + 1 if sweep.descending else block - 1  # the turn before it in the sweep
+                ends.append((st.full_of(before) + (-1 if sweep.descending else 1), None, ref[1]))
             elif ref[0] == "rel":
                 end = block + ref[1]
                 ends.append((st.full_of(end) + block - end, ref[2], st.full_of(end)))
