@@ -170,9 +170,9 @@ def test_fit_auto_checkpoints_the_fewest_blocks_its_micro_batch_needs(capsys: py
 
 
 def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_beside_it() -> None:
-    """One item needs some of 6 blocks checkpointed: the plan weighs the fewest first blocks (the others kept) and
-    every block selectively (NOTE [ Some blocks whole, the rest selectively ]), takes the faster, and shows the
-    other and every block beside it."""
+    """One item needs some of 6 blocks checkpointed: of the fewest first blocks with the others kept and every block
+    selectively (NOTE [ Some blocks whole, the rest selectively ]) the plan takes the faster, and shows every block
+    beside it."""
     dev = _just_short_of_one_plain_item()
     p = batchfit.plan(LONG, 4, device=dev, precision="fp32")
     capacity = p.headroom_bytes + p.estimate.device_total_bytes  # what the plan's fit kept room for
@@ -181,16 +181,43 @@ def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_bes
         return batchfit.estimate(LONG, p.micro_batch_size, device=dev, checkpointing=ck,
                                  accumulation_steps=p.accumulation_steps).device_total_bytes  # fmt: skip
 
-    partial = next(o for o in (p, *p.alternatives) if o.checkpointed_blocks and not o.selective_rest)
-    k = partial.checkpointed_blocks
-    assert 0 < k < 6 and partial.remedies == (f"activation checkpointing of {k} of 6 blocks",)
-    assert total(k) <= capacity < total(k - 1)  # the fewest: one fewer does not fit
     assert (p.checkpointed_blocks, p.selective_rest, p.checkpointing_setting) == (0, True, "selective")
     assert p.remedies == ("selective activation checkpointing",) and p.estimate.selective_checkpointing
     assert total(None) > capacity >= total("selective") == p.estimate.device_total_bytes
     every = next(o for o in p.alternatives if o.remedies == ("activation checkpointing",))
-    assert every.checkpointed_blocks is None
-    assert every.predicted_step_s > partial.predicted_step_s > p.predicted_step_s  # less recompute, less time
+    assert every.checkpointed_blocks is None and every.predicted_step_s > p.predicted_step_s  # more recompute
+
+
+class _Guessed:
+    """A stand-in ``BlockSearch`` for ``fastest_first``: its guess, its least k, and whether it was finished."""
+
+    def __init__(self, guess: int | None, least: int, selective: bool = False, of: int = 8) -> None:
+        self._guess, self._least, self.selective, self.of, self.finished = guess, least, selective, of, False
+
+    def guess(self) -> int | None:
+        return self._guess
+
+    def least(self) -> int:
+        self.finished = True
+        return self._least
+
+
+def test_searches_are_finished_fastest_guess_first_while_a_guess_beats_what_was_found() -> None:
+    """A guess's time is drawn between its ends' (here 0 s with no block, 8 s with every block); a search is
+    finished (its steps in between traced at full depth) only while its guess is faster than the fastest found."""
+    from batchfit.planning.partial import fastest_first
+
+    a, b, c = _Guessed(4, 5), _Guessed(6, 6), _Guessed(2, 5, selective=True)
+    none, every, nothing = _Guessed(None, 0), _Guessed(8, 8), _Guessed(0, 0)  # no choice of blocks: not searched
+    ends = {0: 0.0, 8: 8.0}
+
+    def seconds(search: object, k: int) -> float:
+        return ends[k] if k in ends else k + 0.5
+
+    found = fastest_first([a, b, c, none, every, nothing], seconds)  # type: ignore[list-item]
+    # c's guess (2 s) first: 5 blocks, 5.5 s; a's guess (4 s) is faster: 5 blocks; b's (6 s) is not: left
+    assert found == [(c, 5), (a, 5)]
+    assert [s.finished for s in (a, b, c, none, every, nothing)] == [True, False, True, False, False, False]
 
 
 def test_the_fewest_blocks_with_the_rest_selective_are_the_least_that_fit() -> None:

@@ -177,7 +177,7 @@ def _with_fewest_blocks(workload: Workload, found: Any, dev: Device) -> Any:
     micro-batch needs ] in ``planning/partial.py``), its estimate and time."""
     from ..memory.states import state_bytes
     from ..planning.cost import predict_step_time
-    from ..planning.partial import fewest_blocks
+    from ..planning.partial import BlockSearch, FewestBlocks, blocks_setting, fastest_first
 
     if not found.checkpointing or found.checkpointed_blocks is not None:
         return found
@@ -185,25 +185,29 @@ def _with_fewest_blocks(workload: Workload, found: Any, dev: Device) -> Any:
     wl = with_accumulation(workload, 2 if steps > 1 else 1)
     capacity = found.headroom_bytes + found.estimate.device_total_bytes  # Plan: headroom = capacity - total
     setup = Setup(precision=found.precision, checkpointing="blocks")
-    timed = []
-    for selective in (False, True):  # the other blocks kept, or checkpointed selectively: the faster one
-        fewest = fewest_blocks(wl, dev, setup, False, 1, found.micro_batch_size, capacity, selective=selective)
-        if fewest is None:
-            continue
-        chosen = Setup(precision=found.precision, checkpointing=fewest.setting)
-        trace = trace_for_device(wl, found.micro_batch_size, dev, chosen.policy(dev), chosen.classes(wl))
-        seconds = predict_step_time(
-            trace, dev, precision=found.precision, micro_batches=steps, gpus=found.gpus, sharded=False,
-            interconnect=found.interconnect, state_bytes=state_bytes(wl, chosen.policy(dev).param_dtype).as_tuple(),
-        ).total_s  # fmt: skip
-        timed.append((seconds, fewest))
+    searches = [BlockSearch(wl, dev, setup, False, 1, found.micro_batch_size, capacity, selective=selective)
+                for selective in (False, True)]  # the other blocks kept, or checkpointed selectively: the faster
+    times: dict[tuple[BlockSearch, int], float] = {}
+
+    def seconds(search: BlockSearch, k: int) -> float:
+        if (search, k) not in times:
+            chosen = Setup(precision=found.precision, checkpointing=blocks_setting(k, search.of, search.selective))
+            trace = trace_for_device(wl, found.micro_batch_size, dev, chosen.policy(dev), chosen.classes(wl))
+            times[(search, k)] = predict_step_time(
+                trace, dev, precision=found.precision, micro_batches=steps, gpus=found.gpus, sharded=False,
+                interconnect=found.interconnect,
+                state_bytes=state_bytes(wl, chosen.policy(dev).param_dtype).as_tuple(),
+            ).total_s  # fmt: skip
+        return times[(search, k)]
+
+    timed = [(seconds(s, k), FewestBlocks(k, s.of, s.at(k), s.selective)) for s, k in fastest_first(searches, seconds)]
     if not timed:
         return found
-    seconds, fewest = min(timed, key=lambda t: t[0])
+    best_s, fewest = min(timed, key=lambda t: t[0])
     est = fewest.estimate if steps == 1 else dataclasses.replace(fewest.estimate, accumulation_steps=steps)
     return dataclasses.replace(found, checkpointed_blocks=fewest.blocks, selective_rest=fewest.selective,
                                estimate=est, remedies=fewest.remedies(found.remedies),
-                               headroom_bytes=capacity - est.device_total_bytes, predicted_step_s=seconds)  # fmt: skip
+                               headroom_bytes=capacity - est.device_total_bytes, predicted_step_s=best_s)  # fmt: skip
 
 
 def one_item_estimate(workload: Workload, dev: Device, precision: str, checkpointing: bool) -> Any:

@@ -31,7 +31,8 @@ from ..workload import Setup, Workload
 from .estimate import fit_estimate_at
 from .search import FitAttempt, FitResult
 
-__all__ = ["BlockSearch", "FewestBlocks", "block_count", "blocks_setting", "fewest_blocks", "with_fewest_blocks"]
+__all__ = ["BlockSearch", "FewestBlocks", "block_count", "blocks_setting", "fastest_first", "fewest_blocks",
+           "with_fewest_blocks"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,18 @@ class BlockSearch:
     def fits(self, k: int) -> bool:
         return self.at(k).device_total_bytes <= self.budget
 
+    def guess(self) -> int | None:
+        """The least k that fits as the line through the two ends says, looking at no step in between (0: none,
+        or every block selectively, fits; None: not even N fits, or no blocks to number)."""
+        n = self.of
+        if n == 0 or not self.fits(n):
+            return None
+        if self.fits(0):
+            return 0
+        above, below = self.at(0).device_total_bytes, self.at(n).device_total_bytes
+        step = (above - below) / n
+        return min(n, max(1, math.ceil((above - self.budget) / step))) if step > 0 else n
+
     def least(self) -> int | None:
         """The least k that fits (0: no checkpointing needed, or every block selectively; N: every block), None:
         not even N fits, or the model has no blocks to number."""
@@ -144,6 +157,41 @@ class BlockSearch:
             probe = min(high - 1, max(low + 1, probe))
             low, high = (low, probe) if self.fits(probe) else (probe, high)
         return high
+
+
+def fastest_first(
+    searches: list[BlockSearch], seconds: Callable[[BlockSearch, int], float]
+) -> list[tuple[BlockSearch, int]]:
+    """Of ``searches`` (of one configuration: micro-batches, the other blocks kept or selective), the least k of
+    each worth finding, as ``(search, k)``: k = 0 only where the other blocks are selective (k = 0 and k = N
+    are no choice of blocks).
+
+    Each search's least k is first guessed from its two ends (``BlockSearch.guess``: no step in between), and
+    its time (``seconds(search, k)``, the configuration's predicted seconds per global batch) drawn between the
+    two ends' times; the searches are then finished (their steps in between traced at full depth, minutes for a
+    deep tensor-parallel rank) fastest guess first, while a guess is faster than the fastest found so far.
+    """
+    guessed = []
+    for search in searches:
+        k = search.guess()
+        if _chosen(search, k):
+            first, every = seconds(search, 0), seconds(search, search.of)
+            guessed.append((first + (every - first) * k / search.of, search))  # type: ignore[operator]
+    found: list[tuple[BlockSearch, int]] = []
+    fastest = math.inf
+    for predicted, search in sorted(guessed, key=lambda g: g[0]):
+        if predicted >= fastest:
+            break
+        k = search.least()
+        if _chosen(search, k):
+            found.append((search, k))  # type: ignore[arg-type]
+            fastest = min(fastest, seconds(search, k))  # type: ignore[arg-type]
+    return found
+
+
+def _chosen(search: BlockSearch, k: int | None) -> bool:
+    """Whether ``k`` blocks whole is a choice of blocks: some, not every block (or none, the others selective)."""
+    return k is not None and k < search.of and (k > 0 or search.selective)
 
 
 def with_fewest_blocks(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ from .options import (
     plan_splits,
     timed_option,
 )
-from .partial import fewest_blocks
+from .partial import BlockSearch, FewestBlocks, blocks_setting, fastest_first
 from .workers import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
@@ -536,10 +537,11 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
 
 
 def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
-    """The chosen rung with the fewest blocks checkpointed that its micro-batch needs, at the micro-batch its split
-    uses and at the next smaller one (fewer items, fewer blocks: which is faster is the cost model's to say), each
-    as an option and its estimate (NOTE [ Checkpointing only what the micro-batch needs ]); empty: every block
-    is needed."""
+    """The chosen rung with the fewest blocks checkpointed that its micro-batch needs, the others kept or
+    checkpointed selectively, at the micro-batch its split uses and at the next smaller one (fewer items, fewer
+    blocks: which is faster is the cost model's to say), each worth finding (``partial.fastest_first``) as an
+    option and its estimate (NOTE [ Checkpointing only what the micro-batch needs ]); empty: every block is
+    needed."""
     chosen = walk.chosen
     assert chosen is not None
     config, result, dev = chosen.config, chosen.result, walk.dev
@@ -548,25 +550,35 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
     sizes = [micro]
     if micro > 1:
         sizes.append(max(max(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, micro - 1)))
-    out = []
+    searches: dict[BlockSearch, int] = {}  # each search and the accumulation its split traces
     for size, selective in itertools.product(sizes, (False, True)):
         steps = max(len(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, size))
         accumulation = 2 if steps > 1 else 1
         wl = with_accumulation(chosen.rank_workload(walk.gpus), accumulation)  # a tensor-parallel rank's own step
-        fewest = fewest_blocks(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress,
-                               selective)  # fmt: skip
-        if fewest is None:
-            continue
-        partial = dataclasses.replace(config, setup=config.setup.with_fields(checkpointing=fewest.setting))
-        setup = partial.setup
-        trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
-        whole = with_accumulation(chosen.workload, accumulation)  # the cost model splits the whole model itself
-        option = timed_option(partial, whole, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size, trace,
-                              fewest.estimate.device_total_bytes, result.capacity_bytes,
-                              fewest.remedies(config.remedies))  # fmt: skip
-        option = dataclasses.replace(option, checkpointed_blocks=fewest.blocks, selective_rest=selective)
-        out.append((option, fewest.estimate))
-    return out
+        search = BlockSearch(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress,
+                             selective)  # fmt: skip
+        if search.of >= 2:
+            searches[search] = accumulation
+    options: dict[tuple[BlockSearch, int], PlanOption] = {}
+
+    def option(search: BlockSearch, k: int) -> PlanOption:
+        if (search, k) not in options:
+            ck = blocks_setting(k, search.of, search.selective)
+            partial = dataclasses.replace(config, setup=dataclasses.replace(config.setup, checkpointing=ck))
+            setup, wl, size, est = partial.setup, search.wl, search.micro, search.at(k)
+            trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
+            whole = with_accumulation(chosen.workload, searches[search])  # the cost model splits the whole model
+            fewest = FewestBlocks(k, search.of, est, search.selective)
+            timed = timed_option(partial, whole, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size,
+                                 trace, est.device_total_bytes, result.capacity_bytes,
+                                 fewest.remedies(config.remedies))  # fmt: skip
+            options[(search, k)] = dataclasses.replace(timed, checkpointed_blocks=k, selective_rest=search.selective)
+        return options[(search, k)]
+
+    def seconds(search: BlockSearch, k: int) -> float:
+        return option(search, k).predicted_step_s or math.inf
+
+    return [(option(search, k), search.at(k)) for search, k in fastest_first(list(searches), seconds)]
 
 
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
