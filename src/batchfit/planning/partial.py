@@ -13,6 +13,11 @@ periodic), so the search looks at as few as it can: two when the memory falls by
 block. With ``selective``, the blocks after the first k are checkpointed selectively instead of not at all
 (NOTE [ Some blocks whole, the rest selectively ]): k = 0 is every block selectively, and the least k is
 smaller, each block it spares recomputing only its cheap ops.
+
+A plan has several such searches (two micro-batches, the other blocks kept or selective), and a step in
+between costs a full-depth trace (minutes for a deep tensor-parallel rank), so ``fastest_first`` guesses
+each search's k from its two ends alone, draws its time between the ends' times, and finishes the searches
+fastest guess first, only while a guess beats the fastest found.
 """
 
 from __future__ import annotations
