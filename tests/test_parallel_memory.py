@@ -96,13 +96,15 @@ def test_each_split_holds_less_than_the_whole(config_dir: Path, measured_two: di
     assert all(p != whole.peak_allocated_bytes // 2 for p in peaks)
 
 
-@pytest.mark.parametrize("name", ["tp2-sp", "tp2-fsdp2", "tp2-sp-fsdp2"])
-def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(("name", "checkpointing"), [("tp2-sp", False), ("tp2-fsdp2", False), ("tp2-sp-fsdp2", False),
+                                                      ("tp2-sp-fsdp2", True)])  # fmt: skip
+def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, name: str, checkpointing: bool) -> None:
     """A six-layer model's rank, its stack cut and written at full depth, is the rank traced with every
     block, event for event (beside sequence parallelism FSDP2 unshards the last block in the final norm's
     backward, before the backward sweep: NOTE [ A storage carried into a sweep ] in ``fulldepth.py``)."""
     from trace_compare import everything
 
+    from batchfit.activation_checkpointing import checkpoint_classes
     from batchfit.gpu.catalog import get_device
     from batchfit.memory.estimate import _trace_for_device
     from batchfit.memory.synthesis.depth import STATS
@@ -113,11 +115,13 @@ def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, n
     device = get_device("H100-80GB")
     policy = policy_for("bf16", bf16_supported=True, device_name=device.name)
 
+    classes = checkpoint_classes("blocks" if checkpointing else None, wl.checkpoint_blocks)
+
     def trace(on: str) -> tuple[Any, int]:
         before = STATS.blocks_written
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", on)
-            return _trace_for_device(wl, BATCH_SIZE, device, policy, ()), STATS.blocks_written - before
+            return _trace_for_device(wl, BATCH_SIZE, device, policy, classes), STATS.blocks_written - before
 
     (written, blocks), (traced, _) = trace("1"), trace("0")
     assert blocks == 6
