@@ -95,9 +95,7 @@ def fewest_blocks(
     if search.of < 2:
         return None
     k = search.least()
-    if k is None or k >= search.of or (k == 0 and not selective):
-        return None
-    return FewestBlocks(k, search.of, search.at(k), selective)
+    return FewestBlocks(k, search.of, search.at(k), selective) if _chosen(search, k) else None  # type: ignore[arg-type]
 
 
 class BlockSearch:
@@ -136,11 +134,14 @@ class BlockSearch:
         n = self.of
         if n == 0 or not self.fits(n):
             return None
-        if self.fits(0):
-            return 0
-        above, below = self.at(0).device_total_bytes, self.at(n).device_total_bytes
-        step = (above - below) / n
-        return min(n, max(1, math.ceil((above - self.budget) / step))) if step > 0 else n
+        return 0 if self.fits(0) else min(n, max(1, self._on_the_line(0, n)))
+
+    def _on_the_line(self, low: int, high: int) -> int:
+        """Where the line through the steps at ``low`` and ``high`` blocks meets the budget (their middle where
+        the memory does not fall between them)."""
+        above, below = self.at(low).device_total_bytes, self.at(high).device_total_bytes
+        step = (above - below) / (high - low)
+        return low + math.ceil((above - self.budget) / step) if step > 0 else (low + high) // 2
 
     def least(self) -> int | None:
         """The least k that fits (0: no checkpointing needed, or every block selectively; N: every block), None:
@@ -156,10 +157,7 @@ class BlockSearch:
         # through the bracket's two ends meets the budget (the guess, then its neighbour when the line holds).
         low, high = 0, n
         while high - low > 1:
-            above, below = self.at(low).device_total_bytes, self.at(high).device_total_bytes
-            step = (above - below) / (high - low)
-            probe = low + math.ceil((above - self.budget) / step) if step > 0 else (low + high) // 2
-            probe = min(high - 1, max(low + 1, probe))
+            probe = min(high - 1, max(low + 1, self._on_the_line(low, high)))
             low, high = (low, probe) if self.fits(probe) else (probe, high)
         return high
 
