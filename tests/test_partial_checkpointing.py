@@ -188,6 +188,25 @@ def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_bes
     assert every.checkpointed_blocks is None and every.predicted_step_s > p.predicted_step_s  # more recompute
 
 
+def test_a_plan_keeps_every_block_where_that_is_faster_than_fewer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer blocks found only where they are slower (a smaller micro-batch): the plan keeps every block, and lists
+    them beside it."""
+    import dataclasses
+
+    from batchfit.planning import plan as planning
+
+    found = planning._fewer_blocks
+
+    def slower(walk: object) -> list:
+        return [(dataclasses.replace(o, predicted_step_s=o.predicted_step_s * 100), e) for o, e in found(walk)]
+
+    monkeypatch.setattr(planning, "_fewer_blocks", slower)
+    p = batchfit.plan(LONG, 4, device=_just_short_of_one_plain_item(), precision="fp32")
+    assert (p.checkpointed_blocks, p.checkpointing_setting) == (None, "blocks")
+    assert p.remedies == ("activation checkpointing",)
+    assert any(o.selective_rest and o.predicted_step_s > p.predicted_step_s for o in p.alternatives)
+
+
 class _Guessed:
     """A stand-in ``BlockSearch`` for ``fastest_first``: its guess, its least k, and whether it was finished."""
 

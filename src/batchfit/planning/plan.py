@@ -480,9 +480,13 @@ def _plan_of(walk: _Walk, lr: Any) -> Plan:
     others = [o for f, o in walk.options if f is not chosen]
     remedies, blocks, split_at, selective = config.remedies, None, result.max_batch_size, False
     fewer = _fewer_blocks(walk) if walk.choose_blocks and config.checkpointing == "blocks" else []
+    fewer.sort(key=lambda f: _by_time(f[0]))
+    if fewer and _by_time(fewer[0][0]) >= _by_time(picked):  # every block at its larger micro-batch is faster
+        others += [option for option, _ in fewer]
+        fewer = []
     if fewer:
         others.append(picked)  # every block checkpointed: shown beside it, with its time
-        (picked, est), *rest = sorted(fewer, key=lambda f: _by_time(f[0]))
+        (picked, est), *rest = fewer
         others += [option for option, _ in rest]
         remedies, blocks, split_at = picked.remedies, picked.checkpointed_blocks, picked.micro_batch_size
         selective = picked.selective_rest
