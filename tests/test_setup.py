@@ -32,8 +32,11 @@ def test_a_setup_is_one_value_whatever_its_spelling() -> None:
     [
         (dict(precision="fp8"), "unknown precision 'fp8'; use one of fp32, bf16, fp16, bf16-true"),
         (dict(checkpointing="everything"), "unknown checkpointing 'everything'; use 'blocks', 'reentrant'"),
-        (dict(checkpointing=[int]), "checkpointing must be 'blocks', 'reentrant', a number of blocks, a list of block "
-                                    "indices or a list of nn.Module classes"),
+        (dict(checkpointing=[int]), "checkpointing must be 'blocks', 'reentrant', 'selective', a number of blocks, a "
+                                    "list of block indices (then 'selective' for the other blocks selectively) or a "
+                                    "list of nn.Module classes"),
+        (dict(checkpointing="2+selectve"), "unknown checkpointing '2+selectve'; use 'blocks', 'reentrant', "
+                                           "'selective', a number of blocks, a list of block indices, 'K+selective'"),
         (dict(checkpointing=-1), "checkpointing=-1 blocks: pass a number >= 0 (the first k blocks are checkpointed)"),
         (dict(checkpointing=[2, -1]), "checkpointing=[2, -1]: block indices count from 0 (the first block)"),
         (dict(accumulation_steps=0), "accumulation_steps must be a whole number >= 1, got 0"),

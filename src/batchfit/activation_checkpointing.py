@@ -225,8 +225,8 @@ def checked_checkpointing(value: Any, *, auto: bool = False) -> Checkpointing:
         return tuple(sorted(set(items)))
     if not items or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in items):
         raise ConfigError(
-            "checkpointing must be 'blocks', 'reentrant', a number of blocks, a list of block indices or a list of "
-            "nn.Module classes"
+            "checkpointing must be 'blocks', 'reentrant', 'selective', a number of blocks, a list of block indices "
+            "(then 'selective' for the other blocks selectively) or a list of nn.Module classes"
         )
     return items
 
