@@ -241,9 +241,11 @@ def _with_selective_rest(whole: Any) -> Checkpointing:
     return (*checked, SELECTIVE)  # type: ignore[return-value]
 
 
-def rest_selective(classes: tuple[type, ...]) -> bool:
-    """Whether ``classes`` checkpoint the blocks their ``Only`` marker leaves out selectively."""
-    return SelectiveRest in classes
+def _non_reentrant(context: Any) -> Any:
+    """A transformers layer's checkpoint function (its ``_gradient_checkpointing_func``), non-reentrant, with the
+    selective policy's ``context`` (None: the whole block recomputed)."""
+    kwargs = {} if context is None else {"context_fn": context}
+    return functools.partial(checkpoint, use_reentrant=False, **kwargs)
 
 
 def model_layers(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -396,8 +398,7 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
                 continue
             block_context = rest
             if id(block) in layers:  # the layer's own checkpoint call, with the selective policy
-                block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
-                                                                       context_fn=rest)  # fmt: skip
+                block._gradient_checkpointing_func = _non_reentrant(rest)
         if id(block) not in layers:
             block.forward = functools.partial(_checkpointed_forward, block.forward, reentrant, block_context)  # type: ignore[method-assign]
         checkpointed += 1
@@ -435,8 +436,7 @@ def keep_first_blocks(model: nn.Module, classes: tuple[type, ...], blocks: int, 
     for index, block in enumerate(checkpoint_blocks_of(model, tuple(c for c in classes if not _is_marker(c)))):
         if getattr(block, "gradient_checkpointing", False):
             if rest is not None:  # every layer non-reentrant, as ``apply_checkpointing`` runs this setting
-                context = {} if index < blocks else {"context_fn": rest}
-                block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False, **context)
+                block._gradient_checkpointing_func = _non_reentrant(None if index < blocks else rest)
             if index < blocks:
                 kept += 1
             elif rest is None:

@@ -216,7 +216,7 @@ def _checkpointing_words(plan: Any) -> str:
         return ""
     if getattr(plan, "checkpointed_blocks", None) is None:
         return ", activation checkpointing"
-    return ", activation checkpointing of " + checkpointing_words(plan).replace("blocks", "layers")
+    return ", activation checkpointing of " + checkpointing_words(plan, "layer")
 
 
 # -- while it trains -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
-from ..activation_checkpointing import Selective, rest_selective, selected_blocks
+from ..activation_checkpointing import Selective, SelectiveRest, selected_blocks
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
@@ -344,7 +344,7 @@ def finish_estimate(
         accumulation_steps=workload.accumulation_steps,
     )
     return dataclasses.replace(est, checkpointed_blocks=selected_blocks(classes),
-                               selective_checkpointing=Selective in classes or rest_selective(classes))  # fmt: skip
+                               selective_checkpointing=Selective in classes or SelectiveRest in classes)  # fmt: skip
 
 
 def with_accumulation(workload: Workload, accumulation_steps: int | None) -> Workload:

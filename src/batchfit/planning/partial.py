@@ -37,7 +37,7 @@ from .estimate import fit_estimate_at
 from .search import FitAttempt, FitResult
 
 __all__ = ["BlockSearch", "FewestBlocks", "block_count", "blocks_setting", "fastest_first", "fewest_blocks",
-           "with_fewest_blocks"]
+           "first_blocks_setting", "with_fewest_blocks"]
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,12 @@ class FewestBlocks:
 def blocks_setting(k: int, of: int, selective: bool = False) -> Checkpointing:
     """``checkpointing=`` for the first ``k`` of ``of`` blocks checkpointed whole, with ``selective`` the others
     selectively (None: nothing checkpointed)."""
-    if k >= of:
-        return "blocks"
+    return "blocks" if k >= of else first_blocks_setting(k, selective)
+
+
+def first_blocks_setting(k: int, selective: bool = False) -> Checkpointing:
+    """``checkpointing=`` for the first ``k`` blocks checkpointed whole, not every block, with ``selective`` the
+    others selectively (None: nothing checkpointed)."""
     if selective:
         return (*range(k), SELECTIVE) if k else SELECTIVE
     return k or None

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..activation_checkpointing import SELECTIVE, Checkpointing
+from ..activation_checkpointing import Checkpointing
 from ..advice.lr import lr_scaling
 from ..batching import check_batch_size, rank_shares
 from ..errors import ConfigError, TraceError
@@ -47,7 +47,7 @@ from .options import (
     plan_splits,
     timed_option,
 )
-from .partial import BlockSearch, FewestBlocks, blocks_setting, fastest_first
+from .partial import BlockSearch, FewestBlocks, blocks_setting, fastest_first, first_blocks_setting
 from .workers import fit_ahead, resolve_workers
 
 __all__ = ["ALTERNATIVES", "Plan", "PlanOption", "describe_split", "fit_estimate_at", "plan"]
@@ -112,9 +112,7 @@ class Plan:
             return None
         if self.checkpointed_blocks is None:
             return "blocks"
-        if self.selective_rest:
-            return (*range(self.checkpointed_blocks), SELECTIVE) if self.checkpointed_blocks else SELECTIVE
-        return self.checkpointed_blocks
+        return first_blocks_setting(self.checkpointed_blocks, self.selective_rest)
 
     @property
     def data_parallel(self) -> int:
@@ -554,7 +552,7 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
     sizes = [micro]
     if micro > 1:
         sizes.append(max(max(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, micro - 1)))
-    searches: dict[BlockSearch, int] = {}  # each search and the accumulation its split traces
+    searches = []
     for size, selective in itertools.product(sizes, (False, True)):
         steps = max(len(s) for s in plan_splits(config, walk.global_batch_size, walk.gpus, size))
         accumulation = 2 if steps > 1 else 1
@@ -562,7 +560,7 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
         search = BlockSearch(wl, dev, config.setup, shards > 1, shards, size, result.capacity_bytes, walk.progress,
                              selective)  # fmt: skip
         if search.of >= 2:
-            searches[search] = accumulation
+            searches.append(search)
     options: dict[tuple[BlockSearch, int], PlanOption] = {}
 
     def option(search: BlockSearch, k: int) -> PlanOption:
@@ -571,7 +569,7 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
             partial = dataclasses.replace(config, setup=dataclasses.replace(config.setup, checkpointing=ck))
             setup, wl, size, est = partial.setup, search.wl, search.micro, search.at(k)
             trace = trace_for_device(setup.workload(wl), size, dev, setup.policy(dev), setup.classes(wl))
-            whole = with_accumulation(chosen.workload, searches[search])  # the cost model splits the whole model
+            whole = with_accumulation(chosen.workload, wl.accumulation_steps)  # the cost model splits the whole model
             fewest = FewestBlocks(k, search.of, est, search.selective)
             timed = timed_option(partial, whole, dev, walk.gpus, walk.global_batch_size, walk.interconnect, size,
                                  trace, est.device_total_bytes, result.capacity_bytes,
@@ -582,7 +580,7 @@ def _fewer_blocks(walk: _Walk) -> list[tuple[PlanOption, Estimate]]:
     def seconds(search: BlockSearch, k: int) -> float:
         return option(search, k).predicted_step_s or math.inf
 
-    return [(option(search, k), search.at(k)) for search, k in fastest_first(list(searches), seconds)]
+    return [(option(search, k), search.at(k)) for search, k in fastest_first(searches, seconds)]
 
 
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -603,13 +601,14 @@ def _expandable_option(walk: _Walk, size: int, accumulation: int) -> list[PlanOp
     micro, steps = max(max(s) for s in splits), max(len(s) for s in splits)
     if steps >= accumulation:
         return []
-    wl = with_accumulation(chosen.rank_workload(gpus), 2 if steps > 1 else 1)
+    traced = 2 if steps > 1 else 1  # any count >= 2 traces alike
+    wl = with_accumulation(chosen.rank_workload(gpus), traced)
     shards, setup = config.arithmetic_shards(gpus), grown.setup
     est = fit_estimate_at(wl, dev, setup, shards > 1, shards, micro)
     if est.device_total_bytes > result.capacity_bytes:
         return []
     trace = trace_for_device(setup.workload(wl), micro, dev, setup.policy(dev), setup.classes(wl))
-    whole = with_accumulation(chosen.workload, 2 if steps > 1 else 1)
+    whole = with_accumulation(chosen.workload, traced)
     return [timed_option(grown, whole, dev, gpus, walk.global_batch_size, walk.interconnect, size, trace,
                          est.device_total_bytes, result.capacity_bytes, (*config.remedies, EXPANDABLE))]  # fmt: skip
 

@@ -25,14 +25,15 @@ def paged_note(paged_bytes: int) -> str:
     )
 
 
-def checkpointing_words(plan: Any) -> str:
-    """Which blocks a checkpointing plan recomputes, in words: every block, the first k, the rest selectively."""
+def checkpointing_words(plan: Any, block: str = "block") -> str:
+    """Which blocks a checkpointing plan recomputes, in words (a block called ``block``): every block, the first k,
+    the rest selectively."""
     blocks = getattr(plan, "checkpointed_blocks", None)
     if blocks is None:
-        return "every block"
+        return f"every {block}"
     if not getattr(plan, "selective_rest", False):
-        return f"the first {blocks} blocks"
-    return f"the first {blocks} blocks, the rest selectively" if blocks else "every block, selectively"
+        return f"the first {blocks} {block}s"
+    return f"the first {blocks} {block}s, the rest selectively" if blocks else f"every {block}, selectively"
 
 
 def estimate_table(est: Any, *, top_modules: int = 8) -> Group:

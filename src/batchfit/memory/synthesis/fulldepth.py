@@ -386,8 +386,8 @@ class _Writer(SweepReader):
             if self._to_middle(ref, sweep.stack, block):
                 between = (ref[2], ref[1])
             elif ref[0] == "fixed":  # made before the sweep: NOTE [ A storage carried into a sweep ]
-                before = block + 1 if sweep.descending else block - 1  # the turn before it in the sweep
-                ends.append((st.full_of(before) + (-1 if sweep.descending else 1), None, ref[1]))
+                step = -1 if sweep.descending else 1  # the next turn of the sweep, in block indices
+                ends.append((st.full_of(block - step) + step, None, ref[1]))
             elif ref[0] == "rel":
                 end = block + ref[1]
                 ends.append((st.full_of(end) + block - end, ref[2], st.full_of(end)))
