@@ -11,18 +11,34 @@ differ between them and states its assumptions:
 - memory traffic: every byte the step allocates in forward and backward is written once and read
   about once, at a fraction (``BANDWIDTH_EFFICIENCY``) of the GPU's memory bandwidth; the optimizer
   step reads and writes parameters, gradients and states once;
-- communication, unoverlapped: data parallelism all-reduces the gradients once per optimizer step (a
-  ring moves ``2 (n - 1) / n`` of them); FSDP all-gathers the parameters in forward and again in
-  backward and reduce-scatters the gradients, once per micro-batch (``(n - 1) / n`` of the full size
-  each), over the assumed interconnect;
+- communication, overlapped as PyTorch overlaps it: DDP all-reduces the gradients once per optimizer
+  step (a ring moves ``2 (n - 1) / n`` of them), bucket by bucket while the last micro-batch's backward
+  runs, so only what outlasts that backward is paid; FSDP all-gathers the parameters in forward and
+  again in backward and reduce-scatters the gradients, once per micro-batch (``(n - 1) / n`` of the full
+  size each), each unit's gather prefetched while the unit before it computes and each reduce-scatter
+  run while the next unit's backward computes (NOTE [ Communication behind compute ]), so a
+  micro-batch pays what outlasts its forward (the gather) and its backward (the gather and the
+  reduce-scatter), over the assumed interconnect;
 - tensor parallelism, unoverlapped, over the node's NVLink: the collectives of one rank's traced step
   as they were traced (their output bytes, forward and backward: an all-reduce moves ``2 (n - 1) / n``
   of its tensor, an all-gather ``(n - 1) / n`` of its output, a reduce-scatter ``n - 1`` of its
-  output), once per micro-batch; FSDP then shards each rank's ``1 / n`` of the parameters across the
-  groups, over the assumed interconnect.
+  output), once per micro-batch (the next op needs their output: they sit on the critical path); FSDP
+  then shards each rank's ``1 / n`` of the parameters across the groups, over the assumed interconnect.
 
-Each micro-batch pays compute + traffic; the accumulation count multiplies it. The result is a
-prediction for ranking, not a measurement; ``batchfit sweep`` measures.
+Each micro-batch pays compute + traffic (+ what its communication leaves exposed); the accumulation
+count multiplies it. The result is a prediction for ranking, not a measurement; ``batchfit sweep``
+measures.
+
+NOTE [ Communication behind compute ]
+Data-parallel communication runs on its own CUDA stream beside the compute stream: DDP launches each
+gradient bucket's all-reduce as soon as autograd has filled it (its backward hook; ``no_sync`` defers
+it to the optimizer step's last micro-batch), FSDP2 issues the next unit's all-gather while the current
+one computes (implicit prefetch, forward and backward) and reduce-scatters a unit's gradients while
+the next unit's backward runs (PyTorch's FSDP notes; FSDP1's ``BACKWARD_PRE`` prefetch does the same).
+A phase therefore takes the longer of its compute and its communication, not their sum: a small
+micro-batch on a fast link pays nothing for FSDP, and one on a slow link pays the difference. The
+first unit's gather and the last unit's reduce-scatter cannot overlap (one unit of the model's many,
+left out), nor can tensor-parallel collectives, whose output the next op reads.
 """
 
 from __future__ import annotations
@@ -118,10 +134,22 @@ def step_traffic(trace: Any, step: int = 1) -> tuple[int, int]:
     A trace of an accumulating step (``Workload.accumulation_steps``) runs several micro-batches per
     optimizer step; the time model multiplies by the plan's own count, so the trace's is divided out.
     """
-    flops = sum(n for (phase, s), n in trace.flops.items() if s == step and phase in ("forward", "backward"))
-    allocated = sum(trace.nbytes[sid] for sid in _forward_backward_allocations(trace, step))
+    phases = phase_traffic(trace, step)
+    return tuple(sum(v[i] for v in phases.values()) for i in (0, 1))  # type: ignore[return-value]
+
+
+def phase_traffic(trace: Any, step: int = 1) -> dict[str, tuple[int, int]]:
+    """``{phase: (FLOPs, bytes allocated)}`` of one micro-batch's ``"forward"`` and ``"backward"`` of ``step``
+    (``step_traffic``, by phase: communication overlaps each phase on its own)."""
     micro = _micro_batches(trace, step)
-    return flops // micro, allocated // micro
+    allocated = dict.fromkeys(_PHASES, 0)
+    for phase, sid in _forward_backward_allocations(trace, step):
+        allocated[phase] += trace.nbytes[sid]
+    return {p: (sum(n for (ph, s), n in trace.flops.items() if s == step and ph == p) // micro,
+                allocated[p] // micro) for p in _PHASES}  # fmt: skip
+
+
+_PHASES = ("forward", "backward")
 
 
 def _micro_batches(trace: Any, step: int) -> int:
@@ -129,7 +157,7 @@ def _micro_batches(trace: Any, step: int) -> int:
 
 
 def _forward_backward_allocations(trace: Any, step: int) -> Any:
-    """The storage ids allocated in the forward and backward phases of ``step``, in order."""
+    """``(phase, storage id)`` of each allocation in the forward and backward phases of ``step``, in order."""
     phase = ""
     bounds = [(start, name, s) for start, name, s in trace.phases]
     k = 0
@@ -137,8 +165,8 @@ def _forward_backward_allocations(trace: Any, step: int) -> Any:
         while k < len(bounds) and bounds[k][0] <= i:
             phase = bounds[k][1] if bounds[k][2] == step else ""
             k += 1
-        if e >= 0 and phase in ("forward", "backward"):
-            yield e
+        if e >= 0 and phase in _PHASES:
+            yield phase, e
 
 
 def predict_step_time(
@@ -162,10 +190,12 @@ def predict_step_time(
         state_bytes: ``(parameters, gradients, optimizer states)`` of the whole model, in bytes.
         tensor_parallel: GPUs of one tensor-parallel group (the trace is then one of its ranks).
     """
-    flops, traffic = step_traffic(trace)
     peak, bandwidth = _peak_flops(device, precision), _bandwidth(device)
-    compute = micro_batches * flops / (peak * MATMUL_EFFICIENCY)
-    memory = micro_batches * 2 * traffic / (bandwidth * BANDWIDTH_EFFICIENCY)
+    phases = {p: (f / (peak * MATMUL_EFFICIENCY), 2 * b / (bandwidth * BANDWIDTH_EFFICIENCY))
+              for p, (f, b) in phase_traffic(trace).items()}  # fmt: skip
+    compute = micro_batches * sum(c for c, _ in phases.values())
+    memory = micro_batches * sum(m for _, m in phases.values())
+    forward, backward = (sum(phases[p]) for p in _PHASES)  # seconds of one micro-batch's phase on the GPU
     params, grads, states = state_bytes
     tp = max(1, tensor_parallel)
     groups = gpus // tp  # the data-parallel ranks
@@ -173,15 +203,21 @@ def predict_step_time(
     optimizer = (2 * params + 2 * grads + 2 * states) / shards / (bandwidth * BANDWIDTH_EFFICIENCY)
     link = link_gbps(device, interconnect) * 1e9
     comm = 0.0
-    if groups > 1:
+    if groups > 1:  # NOTE [ Communication behind compute ]
         share = (groups - 1) / groups
         if sharded:
-            comm = micro_batches * share * (2 * params + grads) / tp / link
+            gather, scatter = share * params / tp / link, share * grads / tp / link
+            comm = micro_batches * (_exposed(gather, forward) + _exposed(gather + scatter, backward))
         else:
-            comm = 2 * share * grads / tp / link
+            comm = _exposed(2 * share * grads / tp / link, backward)
     if tp > 1:
         comm += micro_batches * tensor_parallel_bytes(trace, tp) / (link_gbps(device, Interconnect.nvlink) * 1e9)
     return StepTime(compute, memory, optimizer, comm)
+
+
+def _exposed(communication_s: float, behind_s: float) -> float:
+    """Seconds of ``communication_s`` left after the ``behind_s`` of compute it runs beside."""
+    return max(0.0, communication_s - behind_s)
 
 
 _TP_TRAFFIC = (
@@ -196,7 +232,7 @@ def tensor_parallel_bytes(trace: Any, tensor_parallel: int, step: int = 1) -> fl
     """Bytes one rank sends in the traced collectives of one micro-batch's forward and backward (the
     functional collectives DTensor runs; FSDP's own are counted from the state bytes)."""
     sent = 0.0
-    for sid in _forward_backward_allocations(trace, step):
+    for _, sid in _forward_backward_allocations(trace, step):
         op = trace.op.get(sid, "")
         for prefix, factor in _TP_TRAFFIC:
             if op.startswith(prefix):
