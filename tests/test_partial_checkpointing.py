@@ -51,7 +51,6 @@ def test_some_blocks_checkpointed_are_the_allocators_peak(name: str) -> None:
         assert spread.peak_allocated_bytes == measure_cpu_peak(wl, 2, checkpointing=[1, 3])
     assert first.checkpointing and spread.checkpointing
     assert first.peak_allocated_bytes != spread.peak_allocated_bytes  # the selection is what runs
-    assert "traced at full depth (no depth synthesis): some blocks are checkpointed, not all" in first.notes
     mixed = batchfit.estimate(wl, 2, device="cpu", checkpointing="1+selective")  # the others selectively
     assert mixed.peak_allocated_bytes == measure_cpu_peak(wl, 2, checkpointing=(0, "selective"))
     assert mixed.checkpointed_blocks == (0,) and mixed.selective_checkpointing
@@ -295,7 +294,17 @@ def test_selective_checkpointing_saves_less_than_none_and_more_than_every_block(
     assert peak[None] > peak["selective"] > peak["blocks"]
 
 
-def test_a_selectively_checkpointed_step_is_written_at_full_depth_as_traced() -> None:
+WRITTEN = {  # setting, layers: the blocks the synthesis writes (NOTE [ A stack some of whose blocks are checkpointed ])
+    "selective": ("gpt", 6, 6),
+    6: ("gpt", 8, 6),  # the first 6 of 8 blocks whole: the stack is cut in them, the last 2 traced
+    "2+selective": ("gpt", 8, 6),  # the last 6 selectively
+    "5+selective": ("llama", 8, 5),  # transformers' own switch, each layer's function set
+}
+
+
+@pytest.mark.parametrize("setting", list(WRITTEN))
+def test_a_step_checkpointing_some_blocks_is_written_at_full_depth_as_traced(setting: object) -> None:
+    """A stack narrowed to the blocks checkpointed alike is written event for event as the full depth is traced."""
     from trace_compare import everything
 
     from batchfit.gpu.catalog import get_device
@@ -303,9 +312,13 @@ def test_a_selectively_checkpointed_step_is_written_at_full_depth_as_traced() ->
     from batchfit.memory.synthesis.depth import STATS
     from batchfit.precision import policy_for
 
-    wl = presets.get("gpt", n_layer=6, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
+    name, layers, blocks_written = WRITTEN[setting]
+    if name == "llama" and not hf.available():
+        pytest.skip("needs transformers")
+    wl = (presets.get("gpt", n_layer=layers, n_embd=32, n_head=2, vocab_size=96, seq_len=16) if name == "gpt"
+          else _zoo("llama-gqa", layers))  # fmt: skip
     dev = get_device("A100-80GB")
-    classes = checkpoint_classes("selective", wl.checkpoint_blocks)
+    classes = checkpoint_classes(setting, wl.checkpoint_blocks)
     policy = policy_for("bf16", bf16_supported=True, device_name=dev.name)
     traces = []
     for on in ("1", "0"):
@@ -314,7 +327,7 @@ def test_a_selectively_checkpointed_step_is_written_at_full_depth_as_traced() ->
             before = STATS.blocks_written
             traces.append((_trace_for_device(wl, 2, dev, policy, classes), STATS.blocks_written - before))
     (written, blocks), (traced, _) = traces
-    assert blocks == 6 and everything(written) == everything(traced)
+    assert blocks == blocks_written and everything(written) == everything(traced)
 
 
 def test_selective_checkpointing_refuses_the_reentrant_variant() -> None:

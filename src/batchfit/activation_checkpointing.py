@@ -360,10 +360,12 @@ def _checkpointed_forward(forward: Any, reentrant: bool, context: Any, *args: An
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
+def apply_checkpointing(model: nn.Module, classes: tuple[type, ...], whole: dict[int, bool] | None = None) -> int:
     """Checkpoint every outermost module of ``classes`` (or the ones an ``Only`` marker among them selects:
     NOTE [ Checkpointing some blocks ]; the others selectively beside ``SelectiveRest``: NOTE [ Some blocks
-    whole, the rest selectively ]); returns how many are checkpointed, whole or selectively.
+    whole, the rest selectively ]); returns how many are checkpointed, whole or selectively. ``whole``, when
+    given, gets each block's id and whether the selection checkpoints it whole (depth synthesis cuts a stack
+    where its blocks are alike: ``memory/synthesis/stackplan.py``).
 
     A transformers model whose layers are all among ``classes`` checkpoints itself (NOTE [ Checkpointing
     a transformers model as it checkpoints itself ]). Elsewhere a block nested inside another checkpointed
@@ -391,6 +393,8 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
     checkpointed = 0
     for index, block in enumerate(checkpoint_blocks_of(model, classes, covered, layers)):
         block_context = context
+        if whole is not None:
+            whole[id(block)] = chosen is None or index in chosen
         if chosen is not None and index not in chosen:
             if rest is None:
                 if id(block) in layers:

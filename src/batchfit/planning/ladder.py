@@ -125,10 +125,15 @@ def ladder(
 # layers' activations are split further; the gathered sequence is the same size), so before any
 # tensor-parallel layout is fitted, the most split one of its precision and checkpointing (the widest
 # degree, with sequence parallelism where the ladder has it) is traced at one item: when even that does
-# not fit, none of them does, and the others are skipped untraced. A layout that passes is fitted as usual.
+# not fit, none of them does, and the others are skipped untraced. A layout that passes is traced at one
+# item of its own before its fit: the ladder reaches tensor parallelism only when nothing whole fits, so
+# its less split layouts often fit no item, which one trace says where a fit that finds nothing takes four.
 def most_split(config: Rung) -> Rung:
     """The most split tensor-parallel layout with ``config``'s precision and checkpointing."""
-    return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=config.widest_sp)
+    name = tensor_parallel_remedy(config.widest, config.widest_sp)
+    remedies = tuple(name if r.startswith("tensor parallel") else r for r in config.remedies)
+    return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=config.widest_sp,
+                               remedies=remedies)  # fmt: skip
 
 
 def tensor_parallel_remedy(degree: int, sequence_parallel: bool) -> str:

@@ -121,8 +121,12 @@ def _fit_config_uncached(
     wl: Workload, dev: Device, config: Rung, gpus: int, share: int, margin: float, *, verify: bool,
     progress: Callable[[str], None] | None = None,
 ) -> _Fitted | None:  # fmt: skip
-    if config.tensor_parallel > 1 and not one_item_fits(wl, dev, most_split(config), gpus, margin, progress):
-        return None  # NOTE [ The most split layout first ]
+    if config.tensor_parallel > 1:  # NOTE [ The most split layout first ]
+        widest = most_split(config)
+        if not one_item_fits(wl, dev, widest, gpus, margin, progress, "the most split layout"):
+            return None
+        if widest != config and not one_item_fits(wl, dev, config, gpus, margin, progress, "before its fit"):
+            return None
     wl = config_workload(wl, config, gpus)
     shards = config.arithmetic_shards(gpus)
     kwargs = dict(setup=config.setup, margin=margin, shard_over=shards, verify=verify, max_batch_size=share,
@@ -154,12 +158,14 @@ def _fit_config_uncached(
 
 
 def one_item_fits(
-    wl: Workload, dev: Device, config: Rung, gpus: int, margin: float, progress: Callable[[str], None] | None = None
-) -> bool:
-    """Whether one rank of ``config`` fits a step of one item (one trace, kept with the others)."""
+    wl: Workload, dev: Device, config: Rung, gpus: int, margin: float, progress: Callable[[str], None] | None = None,
+    why: str = "",
+) -> bool:  # fmt: skip
+    """Whether one rank of ``config`` fits a step of one item (one trace, kept with the others); ``why`` ends the
+    progress line."""
     budget = int((dev.total_bytes or 0) * (1 - margin))
     announce = None if progress is None else lambda: progress(
-        f"tracing a step of 1 item as {', '.join(config.remedies)}, the most split layout"
+        f"tracing a step of 1 item as {', '.join(config.remedies)}" + (f", {why}" if why else "")
     )  # fmt: skip
     est = fit_estimate_at(config_workload(wl, config, gpus), dev, config.setup, False, 1, batch_size=1,
                           announce=announce)  # fmt: skip

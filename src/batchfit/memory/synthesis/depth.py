@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ...activation_checkpointing import selected_blocks
 from ...errors import first_line
 from ..trace.tracer import MemoryTrace
 from .blocklabels import BlockRecorder, block_labels
@@ -98,14 +99,23 @@ class DepthCut:
         self.recorder: Any = None
         self.root = ""
         self.plan: Any = None
+        self.classes: tuple[type, ...] = ()
+        self.declined = False
 
-    def prepare(self, workload: Workload, param_dtype: Any) -> None:
-        """Know the model's stacks before it is built, where a build on ``meta`` shows them."""
-        self.plan = plan_cut(workload, param_dtype)
+    def prepare(self, workload: Workload, param_dtype: Any, classes: tuple[type, ...] = ()) -> None:
+        """Know the model's stacks before it is built, where a build on ``meta`` shows them (each narrowed to
+        blocks ``classes`` checkpoint alike where some blocks are selected: NOTE [ A stack some of whose blocks
+        are checkpointed ] in ``memory/synthesis/stackplan.py``, which needs that build)."""
+        self.classes = classes
+        self.plan = plan_cut(workload, param_dtype, classes)
+        if self.plan is None and selected_blocks(classes) is not None:
+            self.decline("some blocks are checkpointed, not all, and the model cannot be built on meta to find "
+                         "which of its blocks are alike")  # fmt: skip
 
     def decline(self, reason: str) -> None:
         """No cut for this step: it is traced at full depth, and its estimate says ``reason``."""
         self.plan = None
+        self.declined = True
         self.reasons.append(reason)
 
     def building(self) -> contextlib.AbstractContextManager:
@@ -119,10 +129,14 @@ class DepthCut:
     def plan_failed(self, workload: Workload, param_dtype: Any) -> None:
         """The build did not go as planned: build this workload's model whole, now and from now on."""
         self.plan = None
-        plan_failed(workload, param_dtype)
+        plan_failed(workload, param_dtype, self.classes)
+        if selected_blocks(self.classes) is not None:
+            self.decline("some blocks are checkpointed, not all, and the model was not built as planned")
 
     def apply(self, model: nn.Module) -> None:
         """Find ``model``'s stacks (or take the plan's) and cut each to four periods of its blocks."""
+        if self.declined:
+            return
         if self.plan is not None:
             self.stacks, self.reasons = list(self.plan.stacks), list(self.plan.reasons)
         else:

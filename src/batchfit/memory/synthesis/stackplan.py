@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ...activation_checkpointing import apply_checkpointing, selected_blocks
 from ..cache import Uncacheable, workload_digest
 from ..steps import default_dtype
 from ..trace.construct import fake_construction
@@ -141,28 +142,82 @@ def _key(workload: Workload, param_dtype: torch.dtype | None) -> tuple[str, str]
         return None
 
 
-def plan_failed(workload: Workload, param_dtype: torch.dtype | None) -> None:
+def plan_failed(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[type, ...] = ()) -> None:
     """The fake build did not go as planned: build ``workload``'s model whole from now on."""
     key = _key(workload, param_dtype)
     if key is not None:
-        _PLANS[key] = None
+        _PLANS[(*key, _selection(classes))] = None
 
 
-def plan_cut(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | None:
+def plan_cut(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[type, ...] = ()) -> CutPlan | None:
     """The cut of ``workload``'s model, from a build on the ``meta`` device (None: no factory to build,
-    or it cannot be built there); kept per workload for the process."""
+    or it cannot be built there); kept per workload (and selection of checkpointed blocks among ``classes``:
+    NOTE [ A stack some of whose blocks are checkpointed ]) for the process."""
     if isinstance(workload.model, nn.Module):
         return None
     key = _key(workload, param_dtype)
+    if key is not None:
+        key = (*key, _selection(classes))
     if key is not None and key in _PLANS:
         return _PLANS[key]
-    plan = _plan(workload, param_dtype)
+    plan = _plan(workload, param_dtype, classes if selected_blocks(classes) is not None else ())
     if key is not None:
         _PLANS[key] = plan
     return plan
 
 
-def _plan(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | None:
+def _selection(classes: tuple[type, ...]) -> str:
+    """What of ``classes`` changes the cut: the names of all of them where some blocks are selected (the plan then
+    depends on which), else nothing."""
+    return "" if selected_blocks(classes) is None else ",".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
+
+
+# NOTE [ A stack some of whose blocks are checkpointed ]
+# ``checkpointing=k`` (or ``"k+selective"``, or indices) checkpoints the first k blocks whole and the others
+# not at all (or selectively): one stack of like blocks becomes two runs, each periodic, and a cut that keeps
+# blocks of both runs in its middle periods would write the wrong blocks. The blocks are numbered as
+# ``apply_checkpointing`` numbers them, on the meta build (the same call, on a throwaway model), and each
+# stack is narrowed to its longest part, in whole periods, whose blocks are checkpointed alike; the blocks
+# of the stack outside it are traced as the blocks around a stack are. For the first 78 of a 80-layer
+# model's blocks, the cut keeps 4 of the 78 and traces the 2 after them. A part too short to cut leaves the
+# stack uncut.
+def _narrowed(stack: Stack, marks: list[Any]) -> Stack | None:
+    """The longest part of ``stack``'s repeating blocks, in whole periods, whose ``marks`` are equal and that is
+    still worth cutting (None: none is)."""
+    best = None
+    end, i = stack.start + stack.length, stack.start
+    while i < end:
+        j = i
+        while j < end and marks[j] == marks[i]:
+            j += 1
+        first = stack.start + -(-(i - stack.start) // stack.period) * stack.period
+        part = Stack(stack.path, stack.size, first, max(0, (j - first) // stack.period * stack.period), stack.period)
+        if part.inserted >= stack.period and (best is None or part.length > best.length):
+            best = part
+        i = j
+    return best
+
+
+def _checkpointed_alike(model: nn.Module, stacks: list[Stack], classes: tuple[type, ...],
+                        reasons: list[str]) -> list[Stack]:  # fmt: skip
+    """``stacks`` narrowed to blocks ``classes`` checkpoint alike (NOTE above); a stack with no such part worth
+    cutting is left out, and ``reasons`` says so."""
+    whole: dict[int, bool] = {}
+    apply_checkpointing(model, classes, whole)
+    narrowed = []
+    for stack in stacks:
+        container = model.get_submodule(stack.path) if stack.path else model
+        marks = [tuple(whole[id(m)] for m in block.modules() if id(m) in whole) for block in container.children()]
+        part = _narrowed(stack, marks)
+        if part is None:
+            reasons.append(f"{stack.path or 'the model'}: its checkpointed blocks and the others make no run long "
+                           f"enough to cut")  # fmt: skip
+        else:
+            narrowed.append(part)
+    return narrowed
+
+
+def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[type, ...] = ()) -> CutPlan | None:
     order: dict[int, tuple[type, int]] = {}
     counts: dict[type, int] = {}
     original = nn.Module.__init__
@@ -185,16 +240,21 @@ def _plan(workload: Workload, param_dtype: torch.dtype | None) -> CutPlan | None
     finally:
         nn.Module.__init__ = original  # type: ignore[method-assign]
     stacks, reasons = find_stacks(model)
+    built = {s.path: list((model.get_submodule(s.path) if s.path else model)._modules.values()) for s in stacks}
+    signatures = {path: block_signatures(blocks) for path, blocks in built.items()}  # as the fake build makes them
+    if classes:
+        try:
+            stacks = _checkpointed_alike(model, stacks, classes, reasons)
+        except Exception:  # noqa: BLE001 - a model meta cannot checkpoint: traced at full depth, as it was
+            return None
     skip: dict[type, set[int]] = {}
     kept = []
     for stack in stacks:
-        container = model.get_submodule(stack.path) if stack.path else model
-        blocks = list(container._modules.values())
-        first = stack.start + stack.written_from
+        blocks, first = built[stack.path], stack.start + stack.written_from
         for block in blocks[first : first + stack.inserted]:
             cls, n = order.get(id(block), (None, -1))
             if cls is not type(block):
                 return None
             skip.setdefault(cls, set()).add(n)
-        kept.append(block_signatures(blocks[:first] + blocks[first + stack.inserted :]))
+        kept.append(signatures[stack.path][:first] + signatures[stack.path][first + stack.inserted :])
     return CutPlan(tuple(stacks), tuple(reasons), tuple((c, frozenset(n)) for c, n in skip.items()), tuple(kept))

@@ -82,16 +82,12 @@ def trace_workload(
         depth: a ``memory.depth.DepthCut``: the built model's stacks are cut to a few blocks and the
             trace's events labelled by block, for ``memory.depth.trace_deep`` to write the full depth.
     """
-    from ...activation_checkpointing import apply_checkpointing, selected_blocks
+    from ...activation_checkpointing import apply_checkpointing
     from ..steps import prefer_foreach
     from .construct import fake_session, materialize_lazy
 
-    if depth is not None and selected_blocks(checkpoint_classes) is not None:
-        # Blocks are chosen by their index in the whole model, which a cut stack does not have.
-        depth.decline("some blocks are checkpointed, not all")
-        depth = None
     if depth is not None:
-        depth.prepare(workload, param_dtype)
+        depth.prepare(workload, param_dtype, checkpoint_classes)
     layout = getattr(workload, "parallel", None)
     with _one_rank(layout) as mesh, fake_session() as values:
         with default_dtype(param_dtype):
