@@ -12,8 +12,7 @@ Cases: the gpt preset on a 16 GB card; Llama-3.1-8B's published config (``benchm
 on q,v with bf16 weights, on one RTX 4090 at 2048 and 4096 tokens; the 7B Llama preset fine-tuned in full
 (bf16 autocast) under FSDP on 8 A100-40GB and on 8 A100-80GB.
 
-Run: ``.venv/bin/python benchmarks/partial_checkpointing.py [--only NAME]`` (minutes: steps with some blocks
-checkpointed are traced at full depth).
+Run: ``.venv/bin/python benchmarks/partial_checkpointing.py [--only NAME]`` (a few minutes).
 """
 
 from __future__ import annotations

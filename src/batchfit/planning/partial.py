@@ -8,14 +8,14 @@ blocks ] in ``activation_checkpointing.py``) keeps k blocks' inputs instead of t
 step's memory falls by about one block's worth per block from k = 0 (nothing) to k = N (every block):
 the two ends, estimated at the plan's micro-batch, give a first guess of the least k whose step fits,
 and each look narrows the range where it lies (memory only falls as k grows) and guesses again from
-the range's ends. Each of those steps is traced at full depth (a stack half checkpointed is not
-periodic), so the search looks at as few as it can: two when the memory falls by the same amount per
-block. With ``selective``, the blocks after the first k are checkpointed selectively instead of not at all
-(NOTE [ Some blocks whole, the rest selectively ]): k = 0 is every block selectively, and the least k is
-smaller, each block it spares recomputing only its cheap ops.
+the range's ends. Each of those steps costs a trace (written from a cut one: NOTE [ A stack some of whose
+blocks are checkpointed ] in ``memory/synthesis/stackplan.py``), so the search looks at as few as it can:
+two when the memory falls by the same amount per block. With ``selective``, the blocks after the first k
+are checkpointed selectively instead of not at all (NOTE [ Some blocks whole, the rest selectively ]): k = 0
+is every block selectively, and the least k is smaller, each block it spares recomputing only its cheap ops.
 
 A plan has several such searches (two micro-batches, the other blocks kept or selective), and a step in
-between costs a full-depth trace (minutes for a deep tensor-parallel rank), so ``fastest_first`` guesses
+between costs a trace (seconds for a deep tensor-parallel rank), so ``fastest_first`` guesses
 each search's k from its two ends alone, draws its time between the ends' times, and finishes the searches
 fastest guess first, only while a guess beats the fastest found.
 """
@@ -175,8 +175,8 @@ def fastest_first(
 
     Each search's least k is first guessed from its two ends (``BlockSearch.guess``: no step in between), and
     its time (``seconds(search, k)``, the configuration's predicted seconds per global batch) drawn between the
-    two ends' times; the searches are then finished (their steps in between traced at full depth, minutes for a
-    deep tensor-parallel rank) fastest guess first, while a guess is faster than the fastest found so far.
+    two ends' times; the searches are then finished (a trace per step in between, seconds for a deep tensor-parallel
+    rank) fastest guess first, while a guess is faster than the fastest found so far.
     """
     guessed = []
     for search in searches:
