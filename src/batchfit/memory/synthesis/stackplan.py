@@ -241,8 +241,9 @@ def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[ty
         nn.Module.__init__ = original  # type: ignore[method-assign]
     stacks, reasons = find_stacks(model)
     built = {s.path: list((model.get_submodule(s.path) if s.path else model)._modules.values()) for s in stacks}
-    signatures = {path: block_signatures(blocks) for path, blocks in built.items()}  # as the fake build makes them
+    signatures = {}  # of the blocks as the fake build makes them: before checkpointing changes their settings
     if classes:
+        signatures = {path: block_signatures(blocks) for path, blocks in built.items()}
         try:
             stacks = _checkpointed_alike(model, stacks, classes, reasons)
         except Exception:  # noqa: BLE001 - a model meta cannot checkpoint: traced at full depth, as it was
@@ -256,5 +257,8 @@ def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[ty
             if cls is not type(block):
                 return None
             skip.setdefault(cls, set()).add(n)
-        kept.append(signatures[stack.path][:first] + signatures[stack.path][first + stack.inserted :])
+        if stack.path in signatures:
+            kept.append(signatures[stack.path][:first] + signatures[stack.path][first + stack.inserted :])
+        else:
+            kept.append(block_signatures(blocks[:first] + blocks[first + stack.inserted :]))
     return CutPlan(tuple(stacks), tuple(reasons), tuple((c, frozenset(n)) for c, n in skip.items()), tuple(kept))
