@@ -193,8 +193,9 @@ def test_a_fused_loss_offer_checkpoints_the_fewest_blocks_its_step_needs() -> No
     from batchfit.sources.fused import with_fused_loss
     from batchfit.sources.hub import workload_from_config
 
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=512)  # fmt: skip
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                                      max_position_embeddings=512)  # fmt: skip
     wl = workload_from_config(config, task="causal-lm", seq_len=512)
     p = batchfit.plan(wl, 16, device="476MiB", precision="bf16")
     assert (p.micro_batch_size, p.checkpointed_blocks, p.selective_rest) == (1, 7, False)
