@@ -97,6 +97,17 @@ def test_fit_keeps_the_family_error_free_and_says_why(wl: Workload, family: str,
     assert batchfit.fit(wl, "1GiB").known_error is None
 
 
+def test_a_plan_follows_the_switch_of_the_measured_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's configurations are kept with the traces: one fitted with the measured errors kept free is not the
+    answer once ``BATCHFIT_KNOWN_ERRORS=0`` turns them off (nor the other way), in one process with one cache."""
+    kept = batchfit.plan(CNN, 65536, device="1GiB", precision="fp32", checkpointing=False)
+    monkeypatch.setenv("BATCHFIT_KNOWN_ERRORS", "0")
+    alone = batchfit.plan(CNN, 65536, device="1GiB", precision="fp32", checkpointing=False)
+    assert alone.max_micro_batch_size > kept.max_micro_batch_size
+    (why,) = [w for w in kept.warnings if w.startswith("kept")] or [None]
+    assert why is not None and not any(w.startswith("kept") for w in alone.warnings)
+
+
 def test_a_family_without_a_measured_error_and_a_verified_fit_keep_nothing() -> None:
     mlp = batchfit.fit(MLP, "1GiB")
     assert (mlp.known_error, mlp.known_error_bytes, mlp.capacity_bytes) == (None, 0, get_device("1GiB").total_bytes)
