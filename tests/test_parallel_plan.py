@@ -23,7 +23,7 @@ from batchfit.memory.categories import Category
 from batchfit.memory.trace.fake_step import fake_model, trace_workload
 from batchfit.memory.trace.tp_plan import degree_error, published_plan, resolve_plan, split_facts
 from batchfit.planning.cost import tensor_parallel_bytes
-from batchfit.planning.ladder import ladder
+from batchfit.planning.ladder import ladder, more_split_first
 from batchfit.planning.plan import describe_split, plan
 from batchfit.sources import load
 from batchfit.workload import AUTO, ParallelLayout, Setup
@@ -271,3 +271,22 @@ def test_sequence_parallelism_needs_blocks_and_says_so() -> None:
     assert (p.tensor_parallel, p.sequence_parallel) == (2, False)
     with pytest.raises(ConfigError, match=r"this model's plan names none; drop --sp$"):
         plan(wl, 4, device="A100-40GB", gpus=2, tensor_parallel=2, sequence_parallel=True)
+
+
+def test_a_layout_is_fitted_only_after_the_more_split_ones_fit_one_item() -> None:
+    """NOTE [ The most split layout first ]: before a tensor-parallel layout's fit, one item of the most split
+    layout, of its own degree with sequence parallelism, and of itself must fit (each traced once, kept)."""
+    rungs = ladder(get_device("H100-80GB"), 8, Setup(precision="bf16", checkpointing="blocks"), True, (2, 4, 8))
+    layouts = {(r.tensor_parallel, r.sequence_parallel): r for r in rungs if r.tensor_parallel > 1}
+
+    def chain(degree: int, sp: bool) -> list[tuple[int, bool, str, str]]:
+        return [(r.tensor_parallel, r.sequence_parallel, r.remedies[-1], why)
+                for r, why in more_split_first(layouts[degree, sp])]  # fmt: skip
+
+    twin = "its degree with sequence parallelism"
+    assert chain(2, False) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout"),
+                               (2, True, "tensor parallel 2 + sequence parallel", twin),
+                               (2, False, "tensor parallel 2", "before its fit")]  # fmt: skip
+    assert chain(4, True) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout"),
+                              (4, True, "tensor parallel 4 + sequence parallel", "before its fit")]  # fmt: skip
+    assert chain(8, True) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout")]

@@ -128,12 +128,27 @@ def ladder(
 # not fit, none of them does, and the others are skipped untraced. A layout that passes is traced at one
 # item of its own before its fit: the ladder reaches tensor parallelism only when nothing whole fits, so
 # its less split layouts often fit no item, which one trace says where a fit that finds nothing takes four.
-def most_split(config: Rung) -> Rung:
-    """The most split tensor-parallel layout with ``config``'s precision and checkpointing."""
-    name = tensor_parallel_remedy(config.widest, config.widest_sp)
+# Without sequence parallelism, its degree with it comes first (the ladder fitted it just before: the
+# trace is kept), so a layout whose sequence-parallel twin fits no item is skipped untraced as well.
+def more_split_first(config: Rung) -> list[tuple[Rung, str]]:
+    """The layouts whose one-item step must fit before ``config`` is fitted, most split first, each with why it is
+    traced: the most split one, ``config``'s degree with sequence parallelism, and ``config`` itself."""
+    chain = [(_layout(config, config.widest, config.widest_sp), "the most split layout")]
+    if config.widest_sp and not config.sequence_parallel:
+        chain.append((_layout(config, config.tensor_parallel, True), "its degree with sequence parallelism"))
+    chain.append((config, "before its fit"))
+    out: list[tuple[Rung, str]] = []
+    for layout, why in chain:
+        if all(layout != seen for seen, _ in out):
+            out.append((layout, why))
+    return out
+
+
+def _layout(config: Rung, degree: int, sequence_parallel: bool) -> Rung:
+    """``config`` with another tensor-parallel layout, its remedies named for it."""
+    name = tensor_parallel_remedy(degree, sequence_parallel)
     remedies = tuple(name if r.startswith("tensor parallel") else r for r in config.remedies)
-    return dataclasses.replace(config, tensor_parallel=config.widest, sequence_parallel=config.widest_sp,
-                               remedies=remedies)  # fmt: skip
+    return dataclasses.replace(config, tensor_parallel=degree, sequence_parallel=sequence_parallel, remedies=remedies)
 
 
 def tensor_parallel_remedy(degree: int, sequence_parallel: bool) -> str:

@@ -27,7 +27,7 @@ from .cost import predict_step_time
 from .estimate import fit_estimate_at
 from .fit import FitResult, fit
 from .known_error import keep_known_errors, table_key
-from .ladder import Rung, most_split
+from .ladder import Rung, more_split_first
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,9 @@ def _fit_config_uncached(
     progress: Callable[[str], None] | None = None,
 ) -> _Fitted | None:  # fmt: skip
     if config.tensor_parallel > 1:  # NOTE [ The most split layout first ]
-        widest = most_split(config)
-        if not one_item_fits(wl, dev, widest, gpus, margin, progress, "the most split layout"):
-            return None
-        if widest != config and not one_item_fits(wl, dev, config, gpus, margin, progress, "before its fit"):
-            return None
+        for layout, why in more_split_first(config):
+            if not one_item_fits(wl, dev, layout, gpus, margin, progress, why):
+                return None
     wl = config_workload(wl, config, gpus)
     shards = config.arithmetic_shards(gpus)
     kwargs = dict(setup=config.setup, margin=margin, shard_over=shards, verify=verify, max_batch_size=share,
