@@ -39,7 +39,7 @@ def test_a_lora_estimate_of_a_named_model_prints_no_other_librarys_warnings(tmp_
     loud = _run([*args, "-v"], tmp_path)
     assert loud.returncode == 0, loud.stderr
     assert loud.stdout == quiet.stdout
-    assert "Warning" in loud.stderr or "WARNING" in loud.stderr
+    assert "bos_token_id" in loud.stderr  # transformers' own line about the config, shown with -v
 
 
 def test_verbose_is_taken_anywhere_on_the_line() -> None:
