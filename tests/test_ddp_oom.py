@@ -11,6 +11,7 @@ once, or both stop with the same one-line error.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -72,4 +73,6 @@ def test_an_oom_in_the_synchronising_backward_stops_both_ranks(tmp_path: Path) -
     assert error["message"].startswith("out of memory on cpu in the synchronising backward of a micro-batch of 4")
     assert error["message"].endswith("restart with a micro-batch size of at most 2") and "\n" not in error["message"]
     stopped = rank0["sync-backward"]["error"]
-    assert stopped is not None and "Connection closed by peer" in stopped["message"]
+    # gloo reads the peer's end as a close or a reset, as the timing falls; either way not its timeout
+    assert stopped is not None and re.search(r"Connection (closed|reset) by peer", stopped["message"])
+    assert "timed out" not in stopped["message"].lower()
