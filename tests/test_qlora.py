@@ -160,3 +160,26 @@ def test_a_fake_quantisation_first_leaves_bitsandbytes_caches_real() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.split()[:1] == ["True"], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_a_quantised_model_is_planned_on_meta_and_built_without_the_blocks_the_cut_drops(quant: str) -> None:
+    """Depth synthesis builds a deep model on ``meta`` first to know its stacks, then builds on fake tensors only the
+    blocks it keeps (``memory/synthesis/stackplan.py``); quantising meta weights follows the kernels' shape rules,
+    as fake ones do, so a QLoRA model is planned too and its dropped blocks are never built or quantised."""
+    import dataclasses
+
+    import transformers
+
+    from batchfit.memory.synthesis.stackplan import plan_cut
+    from batchfit.sources.hub import workload_from_config
+
+    config = transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 6})
+    wl = workload_from_config(config, task="causal-lm", seq_len=16,
+                              lora=parse_lora(f"r=4,quant={quant},targets=all-linear"))  # fmt: skip
+    plan = plan_cut(wl, torch.bfloat16)
+    assert plan is not None and [dataclasses.astuple(s)[1:] for s in plan.stacks] == [(6, 0, 6, 1)]
+    assert [sorted(ordinals) for _, ordinals in plan.skip] == [[3, 4]]  # blocks 3 and 4 are written, not built
+    written = batchfit.estimate(wl, 2, device="A100-80GB", precision="bf16-true")
+    assert not any("full depth" in n for n in written.notes)
+    assert plan_cut(wl, torch.bfloat16) is plan  # the fake build went as planned (else the plan is dropped)

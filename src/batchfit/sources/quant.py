@@ -137,6 +137,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _shapes_only(t: torch.Tensor) -> bool:
+    """A tensor without values (fake, or on ``meta``: the build depth synthesis plans from), quantised by the
+    library's kernels' shape rules instead of by its parameter classes (which leave a meta tensor as it is)."""
+    return _is_fake(t) or t.is_meta
+
+
 @contextlib.contextmanager
 def _parameters_of_fakes() -> Iterator[None]:
     """bitsandbytes' parameter classes accept fake data while active: ``Params4bit(fake)`` and
@@ -181,8 +187,8 @@ def _real_dynamic_map() -> None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     cached = F.name2qmap.get("dynamic")
-    if cached is None or _is_fake(cached):
-        with _disable_current_modes():
+    if cached is None or _is_fake(cached) or cached.is_meta:
+        with _disable_current_modes(), torch.device("cpu"):  # real values, under a meta build's device too
             F.name2qmap["dynamic"] = F.create_dynamic_map()
 
 
@@ -193,7 +199,7 @@ def _quantize_4bit(module: nn.Module, weight: torch.Tensor, spec: QuantSpec) -> 
 
     _real_dynamic_map()
     data = weight.detach()
-    if not _is_fake(data):
+    if not _shapes_only(data):
         param = bnb.nn.Params4bit(
             data, requires_grad=False, blocksize=spec.blocksize, compress_statistics=spec.double_quant,
             quant_type=spec.kind, quant_storage=torch.uint8, module=module,
@@ -219,7 +225,7 @@ def _quantize_int8(module: nn.Module, weight: torch.Tensor) -> nn.Parameter:
     import bitsandbytes.functional as F
 
     data = weight.detach()
-    if not _is_fake(data):
+    if not _shapes_only(data):
         param = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
         return param.to(data.device)  # quantises (``Int8Params._quantize``)
     int8, scales, _ = F.int8_vectorwise_quant(data.to(torch.float16))
