@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,12 +170,24 @@ def test_fit_auto_checkpoints_the_fewest_blocks_its_micro_batch_needs(capsys: py
     assert small.estimate.device_total_bytes == total(None, 4) <= budget
 
 
-def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_beside_it() -> None:
+def test_a_plan_checkpoints_the_fewest_blocks_that_fit_and_shows_every_block_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One item needs some of 6 blocks checkpointed: of the fewest first blocks with the others kept and every block
     selectively (NOTE [ Some blocks whole, the rest selectively ]) the plan takes the faster, and shows every block
     beside it."""
+    from batchfit.memory.cache import CACHE
+
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))  # cold: every step this plan looks at is traced here
     dev = _just_short_of_one_plain_item()
-    p = batchfit.plan(LONG, 4, device=dev, precision="fp32")
+    lines: list[str] = []
+    misses = CACHE.misses
+    p = batchfit.plan(LONG, 4, device=dev, precision="fp32", progress=lines.append)
+    assert len(lines) == CACHE.misses - misses  # a line for each step traced, the block searches' too
+    assert any(line.startswith("checkpointing 0 of 6 blocks, the rest selectively") for line in lines)
+    again: list[str] = []
+    assert batchfit.plan(LONG, 4, device=dev, precision="fp32", progress=again.append) == p
+    assert again == [] and CACHE.misses == misses + len(lines)  # nothing traced again, nothing announced
     capacity = p.headroom_bytes + p.estimate.device_total_bytes  # what the plan's fit kept room for
 
     def total(ck: object) -> int:

@@ -121,12 +121,13 @@ class BlockSearch:
         block)."""
         if k not in self.looked:
             n, micro = self.of, self.micro
-            if self.announce is not None and (0 < k < n or (k == 0 and self.selective)):
-                rest = ", the rest selectively" if self.selective else ""
-                self.announce(f"checkpointing {k} of {n} blocks{rest} at {micro} item{'s' if micro != 1 else ''}")
+            rest = ", the rest selectively" if self.selective else ""
+            words = f"checkpointing {k} of {n} blocks{rest} at {micro} item{'s' if micro != 1 else ''}"
+            say = self.announce
+            announce = None if say is None else lambda: say(words)  # only when the step is traced, not kept
             ck = blocks_setting(k, n, self.selective)
             setup = dataclasses.replace(self.setup, checkpointing=ck)
-            self.looked[k] = fit_estimate_at(self.wl, self.dev, setup, self.sharded, self.gpus, micro)
+            self.looked[k] = fit_estimate_at(self.wl, self.dev, setup, self.sharded, self.gpus, micro, announce)
         return self.looked[k]
 
     def fits(self, k: int) -> bool:
