@@ -406,3 +406,27 @@ def test_the_hugging_face_callback_turns_off_the_layers_after_the_plans_first_k(
     assert policies == [False, selective, selective, selective]
     rest = ", the rest selectively" if selective else ""
     assert f"activation checkpointing of the first 1 layers{rest};" in lines[0]
+
+
+BEYOND = {  # setting on a 6-block gpt, what the error names, and the same on the command line's 12-block gpt
+    "indices": ([2, 50], "block 50", "2,50"),
+    "first blocks": (8, "blocks 6, 7", "13"),
+    "first blocks, the rest selectively": ("8+selective", "blocks 6, 7", "13+selective"),
+}
+
+
+@pytest.mark.parametrize("case", list(BEYOND))
+def test_a_block_the_model_does_not_have_is_one_clear_error(case: str, capsys: pytest.CaptureFixture) -> None:
+    """Indices (or a number of first blocks) beyond the model's blocks: a one-line error naming them and the range,
+    not a step that checkpoints less than asked; on the command line, that line and exit 2."""
+    from batchfit.cli import main
+    from batchfit.errors import ConfigError
+
+    setting, named, on_the_line = BEYOND[case]
+    wl = presets.get("gpt", n_layer=6, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
+    with pytest.raises(ConfigError, match="the model has 6 blocks to checkpoint \\(0 to 5\\)") as info:
+        batchfit.estimate(wl, 2, device="A100-80GB", checkpointing=setting)
+    assert f"checkpointing {named}" in str(info.value) and "\n" not in str(info.value)
+    code = main(["estimate", "gpt", "-b", "1", "--device", "A100-80GB", "--checkpointing", on_the_line])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().count("\n") == 0 and "the model has 12 blocks to checkpoint (0 to 11)" in err

@@ -391,7 +391,13 @@ def apply_checkpointing(model: nn.Module, classes: tuple[type, ...], whole: dict
         kwargs = {"use_reentrant": False, "context_fn": context}
     covered, layers = _enable_in_transformers(model, classes, kwargs, per_layer=chosen is not None)
     checkpointed = 0
-    for index, block in enumerate(checkpoint_blocks_of(model, classes, covered, layers)):
+    blocks = checkpoint_blocks_of(model, classes, covered, layers)
+    beyond = sorted(i for i in chosen or () if i >= len(blocks))
+    if beyond:  # a block that does not exist: one line, not a step that silently checkpoints less
+        has = f"{len(blocks)} blocks to checkpoint (0 to {len(blocks) - 1})" if blocks else "no blocks to checkpoint"
+        raise ConfigError(f"checkpointing block{'s' if len(beyond) > 1 else ''} {', '.join(map(str, beyond))}: the "
+                          f"model has {has}; pass indices or a number of first blocks within them")  # fmt: skip
+    for index, block in enumerate(blocks):
         block_context = context
         if whole is not None:
             whole[id(block)] = chosen is None or index in chosen
