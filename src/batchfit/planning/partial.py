@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..activation_checkpointing import SELECTIVE, Checkpointing, checkpoint_blocks_of, selected_blocks
+from ..activation_checkpointing import SELECTIVE, Checkpointing, apply_checkpointing, selected_blocks
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
 from ..memory.estimate import Estimate, with_accumulation
@@ -78,11 +78,13 @@ def first_blocks_setting(k: int, selective: bool = False) -> Checkpointing:
 
 
 def block_count(wl: Workload) -> int:
-    """How many blocks checkpointing numbers in ``wl``'s model (``checkpoint_blocks_of``; 0: none to choose)."""
+    """How many blocks checkpointing numbers in ``wl``'s model (0: none to choose), counted by the call that numbers
+    them in a step (``apply_checkpointing``, on a model built for it): a transformers model's own layers, each
+    outermost block elsewhere."""
     classes = tuple(c for c in wl.checkpoint_blocks if selected_blocks((c,)) is None)
 
     def count() -> int:
-        return len(checkpoint_blocks_of(fake_model(wl), classes)) if classes else 0
+        return apply_checkpointing(fake_model(wl), classes) if classes else 0
 
     return CACHE.fact("checkpointed blocks", wl, None, count)
 
