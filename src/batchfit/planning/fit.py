@@ -23,7 +23,7 @@ from ..runtime.simulated import SimulatedDevice
 from ..sources import as_workload
 from ..workload import AUTO, ParallelLayout, Setup, Workload
 from .budget import device_budget, fit_setting, is_modelled, real_step
-from .known_error import keep_known_errors, table_key
+from .known_error import errors_key, keep_known_errors
 from .partial import with_fewest_blocks
 from .search import _MAX_BATCH, FitAttempt, FitResult, _Search, _search_max, expandable_gain
 from .seqlen import check_seq_request, fit_seq_len
@@ -131,7 +131,7 @@ def fit(
     dev = device_budget(device, margin)[0]  # type: ignore[arg-type]
     policy = setup.policy(dev)
     settings: tuple[Any, ...] = (setup.key(workload), margin, shard_over, verify, max_batch_size,
-                                 known_error and table_key())  # fmt: skip
+                                 errors_key(known_error))  # fmt: skip
     if seq:  # the answer depends on how the workload is rebuilt at each length
         settings += ("seq_len", batch_size, seq_multiple, workload.at_seq_len, workload.max_seq_len)
     result = CACHE.device_fact("fit", workload, dev, policy.param_dtype, run, extra=settings)

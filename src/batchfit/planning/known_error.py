@@ -76,8 +76,11 @@ def keep_known_errors(asked: bool | None) -> bool:
     return asked if asked is not None else os.environ.get("BATCHFIT_KNOWN_ERRORS", "1") != "0"
 
 
-def table_key() -> tuple[tuple[str, float], ...]:
-    """The figures in force, for the keys of cached fits."""
+def errors_key(asked: bool | None = None) -> tuple[tuple[str, float], ...] | bool:
+    """What the measured errors add to the key of a cached fit (``fit``'s, and a plan's configurations'): the figures
+    in force where they are kept free (``keep_known_errors(asked)``), False where they are not."""
+    if not keep_known_errors(asked):
+        return False
     return tuple(sorted((family, known.fraction) for family, known in KNOWN_ERRORS.items()))
 
 

@@ -26,7 +26,7 @@ from ..workload import Workload
 from .cost import predict_step_time
 from .estimate import fit_estimate_at
 from .fit import FitResult, fit
-from .known_error import keep_known_errors, table_key
+from .known_error import errors_key
 from .ladder import Rung, more_split_first
 
 
@@ -106,8 +106,7 @@ def _fit_config(
     traces nothing and replays no allocator.
     """
     policy = config.setup.policy(dev)
-    settings = (config, gpus, share, margin, verify, wl.accumulation_steps,
-                keep_known_errors(None) and table_key())  # a fit keeps the measured errors free unless turned off
+    settings = (config, gpus, share, margin, verify, wl.accumulation_steps, errors_key())
 
     def compute() -> tuple[FitResult | None, bool]:
         fitted = _fit_config_uncached(wl, dev, config, gpus, share, margin, verify=verify, progress=progress)

@@ -187,7 +187,7 @@ def _real_dynamic_map() -> None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     cached = F.name2qmap.get("dynamic")
-    if cached is None or _is_fake(cached) or cached.is_meta:
+    if cached is None or _shapes_only(cached):
         with _disable_current_modes(), torch.device("cpu"):  # real values, under a meta build's device too
             F.name2qmap["dynamic"] = F.create_dynamic_map()
 
