@@ -317,7 +317,8 @@ WRITTEN = {  # setting, layers: the blocks the synthesis writes (NOTE [ A stack 
 }
 
 
-@pytest.mark.parametrize("setting", list(WRITTEN))
+@pytest.mark.parametrize("setting", [pytest.param(k, marks=[needs_hf] if name == "llama" else [])
+                                     for k, (name, _, _) in WRITTEN.items()])  # fmt: skip
 def test_a_step_checkpointing_some_blocks_is_written_at_full_depth_as_traced(setting: object) -> None:
     """A stack narrowed to the blocks checkpointed alike is written event for event as the full depth is traced."""
     from trace_compare import everything
@@ -328,8 +329,6 @@ def test_a_step_checkpointing_some_blocks_is_written_at_full_depth_as_traced(set
     from batchfit.precision import policy_for
 
     name, layers, blocks_written = WRITTEN[setting]
-    if name == "llama" and not hf.available():
-        pytest.skip("needs transformers")
     wl = (presets.get("gpt", n_layer=layers, n_embd=32, n_head=2, vocab_size=96, seq_len=16) if name == "gpt"
           else _zoo("llama-gqa", layers))  # fmt: skip
     dev = get_device("A100-80GB")
