@@ -173,7 +173,7 @@ def _fit(
     best = _search_max(search, verify_real if step is not None else (verify_traced if verify else trust_line), cap)
     est = search.estimates.get(best)
     if est is None:  # verified by real steps: report the line's prediction rather than trace again
-        est = search._estimate(search.line.at(best), best) if search.line is not None else search.traced(best)
+        est = search.predicted_estimate(search.line, best) if search.line is not None else search.traced(best)
     expandable = None if step is not None else expandable_gain(search, best, cap)
     return search.result(est, max_batch_size=best, line=search.line, traces=dict(search.traces), capped=best == cap,
                          expandable_max_batch_size=expandable)  # fmt: skip

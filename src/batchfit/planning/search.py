@@ -153,6 +153,10 @@ class _Search:
         self.shard_over = shard_over
         self.traces: dict[int, MemoryTrace] = {}
         self.estimates: dict[int, Estimate] = {}
+        self._predicted: dict[tuple[int, int], tuple[Predictor, Estimate]] = {}
+        """Estimates of predicted traces, by the predictor's id and the search point (the predictor kept, so that
+        its id is not reused): a bisection, the check of its answer and the reported estimate replay the
+        allocator once per point."""
         self.attempts: list[FitAttempt] = []
         self.trials = 0
         self.line: TraceLine | None = None
@@ -237,8 +241,15 @@ class _Search:
         used = est.peak_reserved_bytes if self.reserved_only else est.device_total_bytes
         return used <= self.budget
 
+    def predicted_estimate(self, line: Predictor, b: int) -> Estimate:
+        """The estimate of the trace ``line`` predicts at search point ``b`` (replayed once per point)."""
+        key = (id(line), b)
+        if key not in self._predicted:
+            self._predicted[key] = (line, self._estimate(line.at(b), b))
+        return self._predicted[key][1]
+
     def predicted_fits(self, line: Predictor, b: int) -> bool:
-        return self.fits(self._estimate(line.at(b), b))
+        return self.fits(self.predicted_estimate(line, b))
 
     def allocated_fits(self, line: Predictor, b: int) -> bool:
         """A necessary condition, without replaying the allocator: what live tensors hold (plus the
@@ -337,7 +348,7 @@ def _search_max(search: _Search, verify: Callable[[int], bool], cap: int = _MAX_
         line = None
     search.line = line
     if line is not None:
-        guess = _largest_predicted(search, line, 3)
+        guess = _largest_predicted(search, line, 3, cap)  # a plan's share caps it: nothing above is replayed
         if guess >= _MAX_BATCH - 1:
             raise ConfigError(
                 "memory does not grow with the batch size; check that the workload's batch function uses its "
@@ -399,6 +410,7 @@ def expandable_gain(search: _Search, best: int, cap: int = _MAX_BATCH) -> int | 
         return None
     mapped = copy.copy(search)
     mapped.expandable_segments = True
+    mapped._predicted = {}  # replayed with the other allocator
     found = _largest_predicted(mapped, line, best, cap)
     return found if found > best else None
 
