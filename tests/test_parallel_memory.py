@@ -101,7 +101,8 @@ def test_each_split_holds_less_than_the_whole(config_dir: Path, measured_two: di
 def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, name: str, checkpointing: bool) -> None:
     """A six-layer model's rank, its stack cut and written at full depth, is the rank traced with every
     block, event for event (beside sequence parallelism FSDP2 unshards the last block in the final norm's
-    backward, before the backward sweep: NOTE [ A storage carried into a sweep ] in ``fulldepth.py``)."""
+    backward, before the backward sweep: NOTE [ A storage carried into a sweep ] in ``fulldepth.py``); under FSDP2,
+    its step of two micro-batches written from it is that step traced."""
     from trace_compare import everything
 
     from batchfit.activation_checkpointing import checkpoint_classes
@@ -126,3 +127,13 @@ def test_a_deep_ranks_trace_is_written_at_full_depth_as_traced(tmp_path: Path, n
     (written, blocks), (traced, _) = trace("1"), trace("0")
     assert blocks == 6
     assert everything(written) == everything(traced)
+    if LAYOUTS[name].fsdp > 1:  # NOTE [ Gradients that are views of a reduce-scatter's output ] in tracer.py
+        from trace_compare import canonical
+
+        from batchfit.memory.estimate import with_accumulation
+        from batchfit.memory.synthesis.accumulation import accumulating_trace
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", "0")
+            accumulating = _trace_for_device(with_accumulation(wl, 2), BATCH_SIZE, device, policy, classes)
+        assert canonical(accumulating_trace(written)) == canonical(accumulating)

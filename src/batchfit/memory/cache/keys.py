@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 # that cannot be described (an object with no stable description) makes the workload uncacheable
 # rather than risk a stale answer.
 
-_FORMAT = 5
+_FORMAT = 6
 """Bumped whenever ``MemoryTrace``'s layout or what a trace records changes."""
 _SIMPLE = (int, float, bool, str, bytes, type(None), complex)
 

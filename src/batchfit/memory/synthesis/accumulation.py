@@ -17,6 +17,10 @@ with three differences, all readable from the plain trace:
 * what a micro-batch frees of the one before it (the previous batch and loss, released when the
   loop's variables are reassigned) is the previous micro-batch's.
 
+FSDP2's sharded gradients, views of one reduce-scatter output per unit, are handed over as that buffer, once,
+where a later micro-batch frees its own (NOTE [ Gradients that are views of a reduce-scatter's output ] in
+``memory/trace/tracer.py``): a backward output like the others.
+
 The plain trace's other lifetimes must be of the kinds this models (freed within the micro-batch, a
 gradient, kept until the next micro-batch or the end, or never freed); anything else (a gradient that
 is not dense or is a view of a larger buffer, a storage of one step freed by the optimizer, a free of

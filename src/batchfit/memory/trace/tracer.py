@@ -10,6 +10,7 @@ tracer is ``trace.py``; the trace it records is the ``MemoryTrace`` below.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -115,6 +116,13 @@ def storage_resizes(resized: Callable[[Any, int], None]) -> Iterator[None]:
             cls.resize_ = own  # type: ignore[method-assign]
 
 
+_FSDP2_PARAM_GROUP = (
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group",  # torch >= 2.6
+    "torch.distributed._composable.fsdp._fsdp_param_group",  # torch 2.4, 2.5
+)
+"""Where FSDP2's unit calls ``foreach_reduce`` (NOTE [ Gradients that are views of a reduce-scatter's output ])."""
+
+
 class Tracer:
     """Records a ``MemoryTrace`` while a training step runs (a context manager).
 
@@ -161,6 +169,8 @@ class Tracer:
         self._watched = getattr(kernels, "watched_ops", None)
         """The ops the kernel model's ``after_op`` acts on (None: all of them)."""
         self._recorder = recorder
+        self._reducing: list[dict[int, str]] = []
+        """For each ``foreach_reduce`` running: the buffers its gradients are views of, and who made each."""
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_error(self, func: Any) -> None:
@@ -332,6 +342,11 @@ class Tracer:
             tracker = self._tracker
             grad = local_tensor(p.grad)  # a DTensor's local shard (NOTE [ Wrapper tensors ])
             sid = tracker.register(grad)
+            if self._reducing and sid is not None:  # a view of FSDP2's reduce-scatter output (NOTE below)
+                self._reducing[-1].setdefault(sid, self.trace.module.get(sid, OUTSIDE))
+                self._roles.mark(sid, Category.GRADIENTS)
+                self._own(sid, p)
+                return
             # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
             # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
             node = torch._C._current_autograd_node()
@@ -348,6 +363,30 @@ class Tracer:
             self._roles.mark(sid, Category.GRADIENTS)
             self._own(sid, p)
             self._note_rows(grad)
+
+    # NOTE [ Gradients that are views of a reduce-scatter's output ]
+    # FSDP2 reduce-scatters a unit's gradients into one new buffer (``reduce_output`` in ``foreach_reduce``) and hands
+    # each parameter a view of it as its sharded ``.grad``: from then on the buffer is the gradients' storage. In a
+    # later micro-batch of the same optimizer step the views are added into the gradients there are, and the new
+    # buffer, whose last reference is the function's local, is freed when ``foreach_reduce`` returns (its frame's
+    # other locals, the last unsharded gradient among them, before it: they come first in the frame). So the trace
+    # hands the buffer over once, where ``foreach_reduce`` returns, as a backward output that becomes a gradient
+    # (not copied), instead of one view per parameter: where a later micro-batch frees its own
+    # (``memory/synthesis/accumulation.py``), as autograd frees an output that it adds into a ``.grad``.
+    def _reduced(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """FSDP2's ``foreach_reduce``, handing over the buffers its gradients are views of when it returns."""
+
+        def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+            self._reducing.append({})
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                buffers = self._reducing.pop()
+            for sid, made_in in buffers.items():
+                self.trace.grads.append((len(self.trace.events), sid, False, made_in))
+            return out
+
+        return foreach_reduce
 
     def _note_rows(self, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
         """Record ``t``'s dim-0 length when its storage holds exactly ``t`` (and ``t`` has ``like``'s shape)."""
@@ -437,6 +476,11 @@ class Tracer:
         stack.callback(handle.remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
         stack.enter_context(storage_resizes(self._tracker.resized))
+        for name in _FSDP2_PARAM_GROUP:  # loaded: a model sharded with FSDP2 may be traced
+            group = sys.modules.get(name)
+            if group is not None and hasattr(group, "foreach_reduce"):
+                stack.callback(setattr, group, "foreach_reduce", group.foreach_reduce)
+                group.foreach_reduce = self._reduced(group.foreach_reduce)
         stack.callback(register_module_forward_pre_hook(self._pre_forward).remove)
         stack.callback(register_module_forward_hook(self._post_forward, always_call=True).remove)
         return self
