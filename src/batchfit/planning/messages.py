@@ -13,7 +13,7 @@ from ..advice.batchnorm import advice_for_layers, layer_facts
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device, catalog
 from ..memory.cache import CACHE
-from ..memory.trace.fake_step import fake_model
+from ..memory.trace.fake_step import model_structure
 from .estimate import fit_estimate_at
 from .fit import fit
 from .ladder import Rung
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def _warnings(wl: Workload, micro: int, global_batch_size: int, gpus: int) -> tuple[str, ...]:
-    layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(fake_model(wl)))
+    layers = CACHE.fact("batchnorm layers", wl, None, lambda: layer_facts(model_structure(wl)))
     text = advice_for_layers(layers, micro, global_batch_size, gpus)
     return (text,) if text else ()
 

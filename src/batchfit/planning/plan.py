@@ -29,7 +29,7 @@ from ..errors import ConfigError, TraceError
 from ..gpu.catalog import GPUS_PER_NODE, Device, get_device
 from ..memory.cache import CACHE
 from ..memory.estimate import Estimate, trace_for_device, with_accumulation
-from ..memory.trace.fake_step import fake_model
+from ..memory.trace.fake_step import model_structure
 from ..memory.trace.tp_plan import degree_error, split_facts
 from ..sources import as_workload
 from ..workload import AUTO, ParallelLayout, Setup, Workload
@@ -639,7 +639,7 @@ def _tensor_parallel_degrees(
     check_batch_size(gpus_per_node, "GPUs per node")
     if asked == 1 or (asked is None and gpus == 1):
         return (), sequence_parallel
-    facts = CACHE.fact("tensor-parallel facts", wl, None, lambda: split_facts(fake_model(wl), wl.tp_plan))
+    facts = CACHE.fact("tensor-parallel facts", wl, None, lambda: split_facts(model_structure(wl), wl.tp_plan))
     if facts.error is None and not facts.blocks:
         if sequence_parallel:
             raise ConfigError(

@@ -354,27 +354,6 @@ def _installed_version(name: str) -> str:
         return "-"
 
 
-def _structure(workload: Workload, param_dtype: Any) -> Any:
-    """The workload's model to describe: the instance given, else built on the meta device (no fake
-    mode: importing it costs more than the build), else on fake tensors when meta refuses."""
-    import torch
-    from torch import nn
-
-    if isinstance(workload.model, nn.Module):
-        return workload.model
-    from ..steps import default_dtype
-    from ..trace.construct import fake_construction
-
-    try:
-        with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return workload.build_model()
-    except Exception:  # noqa: BLE001 - a constructor that reads values: build it as the trace does
-        from ..trace.fake_step import fake_model
-
-        return fake_model(workload, param_dtype)
-
-
 def workload_digest(workload: Workload, param_dtype: Any) -> str:
     """The digest of everything about ``workload`` a trace depends on (cached per workload object).
 
@@ -391,7 +370,9 @@ def workload_digest(workload: Workload, param_dtype: Any) -> str:
         try:  # the factory's code and arguments: no model to build
             model_part = ("factory", _describe(workload.model), str(param_dtype))
         except Uncacheable:  # an instance, or a factory closing over something indescribable
-            model_part = describe_model(_structure(workload, param_dtype))
+            from ..trace.fake_step import model_structure
+
+            model_part = describe_model(model_structure(workload, param_dtype))
         parts = (
             model_part,
             _describe(workload.batch),

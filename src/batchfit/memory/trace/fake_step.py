@@ -29,7 +29,10 @@ from ...workload import Workload, trainable_parameters
 from ..steps import default_dtype
 from .tracer import OUTSIDE, MemoryTrace, Tracer
 
-__all__ = ["OUTSIDE", "MemoryTrace", "Tracer", "fake_model", "real_execution", "step_failure", "trace_workload"]
+__all__ = [
+    "OUTSIDE", "MemoryTrace", "Tracer", "fake_model", "model_structure", "real_execution", "step_failure",
+    "trace_workload",
+]  # fmt: skip
 
 
 def fake_model(workload: Workload, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -40,6 +43,24 @@ def fake_model(workload: Workload, param_dtype: torch.dtype | None = None) -> nn
         with default_dtype(param_dtype):
             model, _ = build_fake_model(workload, param_dtype)
     return model
+
+
+def model_structure(workload: Workload, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The workload's model to read the structure of (names, classes, shapes; never values): the instance
+    given, else built on the meta device (several times cheaper than on fake tensors: a 7B Llama in 25 ms
+    against 150 ms), else on fake tensors when a constructor refuses meta (it reads values)."""
+    if isinstance(workload.model, nn.Module):
+        return workload.model
+    import warnings
+
+    from .construct import fake_construction
+
+    try:
+        with torch.device("meta"), default_dtype(param_dtype), fake_construction(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return workload.build_model()
+    except Exception:  # noqa: BLE001 - a constructor that reads values: build it as the trace does
+        return fake_model(workload, param_dtype)
 
 
 @contextlib.contextmanager
