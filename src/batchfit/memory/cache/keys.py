@@ -22,7 +22,6 @@ import pickle
 import platform
 import sys
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
