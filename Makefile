@@ -21,12 +21,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/batchfit demo
 
-# The suite runs on every core up to four (pytest-xdist): CI's two cores halve its time. A module whose
-# fixtures start processes is kept on one worker (its xdist_group), and byte code is written (whatever
-# PYTHONDONTWRITEBYTECODE says): the many processes the suite starts would each compile the package again.
+# The suite runs on every core up to four (pytest-xdist): CI's two cores halve its time.
 test: $(STAMP)
-	$(BIN)/python -m compileall -q src tests > /dev/null
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -34,10 +34,7 @@ from batchfit.models import hf
 from batchfit.units import MiB
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-pytestmark = [
-    pytest.mark.skipif(not hf.available(), reason="transformers is not installed"),
-    pytest.mark.xdist_group("calibration"),  # one worker computes the rows its module fixture holds
-]
+pytestmark = pytest.mark.skipif(not hf.available(), reason="transformers is not installed")
 
 
 def _calibration() -> ModuleType:

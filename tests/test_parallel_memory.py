@@ -25,7 +25,6 @@ from batchfit.sources import load
 from batchfit.workload import ParallelLayout
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.xdist_group("gloo-ranks")  # one worker starts the ranks its module fixtures measure
 
 WORKER = Path(__file__).with_name("parallel_memory_worker.py")
 SEQ_LEN, BATCH_SIZE = 16, 4
