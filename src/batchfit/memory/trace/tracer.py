@@ -346,6 +346,7 @@ class Tracer:
                 self._reducing[-1].setdefault(sid, self.trace.module.get(sid, OUTSIDE))
                 self._roles.mark(sid, Category.GRADIENTS)
                 self._own(sid, p)
+                self._note_rows(grad)
                 return
             # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
             # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
