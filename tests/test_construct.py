@@ -199,3 +199,26 @@ def test_the_session_is_one_python_mode_that_still_reads_values() -> None:
         y = torch.randn(2048, 1024)  # above the shadows' size limit: its values are unknown
         assert bool(y.isnan().any()) is False  # one branch taken, and noted
     assert values.notes and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+
+
+class _ReadsAValue(nn.Module):
+    """A constructor that reads a value of a tensor it made: meta tensors have none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.scale = float(self.linear.weight.abs().sum().item())
+
+
+def test_the_structure_is_read_from_a_meta_build_or_a_fake_one_when_meta_refuses() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from batchfit.memory.trace.fake_step import model_structure
+
+    meta = model_structure(_classify(_mlp))
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    assert [tuple(p.shape) for p in meta.parameters()] == [(32, 16), (32,), (4, 32), (4,)]
+    fake = model_structure(_classify(_ReadsAValue))
+    assert all(isinstance(p, FakeTensor) for p in fake.parameters())
+    instance = _mlp()
+    assert model_structure(_classify(instance)) is instance

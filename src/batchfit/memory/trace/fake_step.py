@@ -18,6 +18,7 @@ builds the workload on fake tensors and runs its steps inside the tracer.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,8 +52,6 @@ def model_structure(workload: Workload, param_dtype: torch.dtype | None = None) 
     against 150 ms), else on fake tensors when a constructor refuses meta (it reads values)."""
     if isinstance(workload.model, nn.Module):
         return workload.model
-    import warnings
-
     from .construct import fake_construction
 
     try:
