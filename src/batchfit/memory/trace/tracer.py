@@ -342,25 +342,22 @@ class Tracer:
             tracker = self._tracker
             grad = local_tensor(p.grad)  # a DTensor's local shard (NOTE [ Wrapper tensors ])
             sid = tracker.register(grad)
-            if self._reducing and sid is not None:  # a view of FSDP2's reduce-scatter output (NOTE below)
-                self._reducing[-1].setdefault(sid, self.trace.module.get(sid, OUTSIDE))
-                self._roles.mark(sid, Category.GRADIENTS)
-                self._own(sid, p)
-                self._note_rows(grad)
-                return
-            # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
-            # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
-            node = torch._C._current_autograd_node()
-            copied = sid == tracker._next_id - 1 and node is not None and tracker._born_in.get(sid) == id(node)
-            # Dense and alone in its storage: a gradient kept as a view of a larger backward buffer
-            # (a parameter concatenated with activations) frees with the buffer, not at hand-over.
-            dense = (
-                sid is not None
-                and grad.layout == torch.strided
-                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-            )
             made_in = self.trace.module.get(sid, OUTSIDE) if sid is not None else OUTSIDE
-            self.trace.grads.append((len(self.trace.events), sid if dense else None, copied, made_in))
+            if self._reducing and sid is not None:  # a view of FSDP2's reduce-scatter output (NOTE below)
+                self._reducing[-1].setdefault(sid, made_in)  # handed over once, when foreach_reduce returns
+            else:
+                # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
+                # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
+                node = torch._C._current_autograd_node()
+                copied = sid == tracker._next_id - 1 and node is not None and tracker._born_in.get(sid) == id(node)
+                # Dense and alone in its storage: a gradient kept as a view of a larger backward buffer
+                # (a parameter concatenated with activations) frees with the buffer, not at hand-over.
+                dense = (
+                    sid is not None
+                    and grad.layout == torch.strided
+                    and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+                )
+                self.trace.grads.append((len(self.trace.events), sid if dense else None, copied, made_in))
             self._roles.mark(sid, Category.GRADIENTS)
             self._own(sid, p)
             self._note_rows(grad)
