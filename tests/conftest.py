@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +18,23 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(old)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The trace cache on disk lives in this session's temporary directory, never the user's; xdist's workers share
-    one (the run's directory above theirs: entries are written whole and renamed into place, and an unreadable one
-    is traced again), so a step one worker traced is not traced again by the other."""
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's temporary directory, shared by xdist's workers (the one above theirs): what one worker writes
+    there, another finds."""
     import os
 
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        cache = tmp_path_factory.getbasetemp().parent / "trace-cache"
-        cache.mkdir(exist_ok=True)
-    else:
-        cache = tmp_path_factory.mktemp("trace-cache")
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_cache_dir(run_dir: Path) -> Iterator[None]:
+    """The trace cache on disk lives in this session's temporary directory, never the user's; xdist's workers share
+    one (``run_dir``: entries are written whole and renamed into place, and an unreadable one is traced again), so a
+    step one worker traced is not traced again by the other."""
+    cache = run_dir / "trace-cache"
+    cache.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BATCHFIT_CACHE_DIR", str(cache))
         yield

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +49,12 @@ def _measure(config_dir: Path, out: Path, names: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
-def _measured_once(config_dir: Path, tmp_path_factory: pytest.TempPathFactory, names: list[str]) -> dict:
-    """The ranks of ``names``, started once per run: xdist's workers share the run's directory (the one above
-    theirs), and the first to take the lock starts them while the other waits and reads what they wrote."""
+def _measured_once(config_dir: Path, run_dir: Path, names: list[str]) -> dict:
+    """The ranks of ``names``, started once per run: the first of xdist's workers to take the lock in the run's
+    shared directory starts them, while the other waits and reads what they wrote."""
     from filelock import FileLock  # torch's own dependency
 
-    base = tmp_path_factory.getbasetemp()
-    out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"gloo-ranks-{'-'.join(names)}.json"
+    out = run_dir / f"gloo-ranks-{'-'.join(names)}.json"
     with FileLock(f"{out}.lock"):
         if not out.exists():
             return _measure(config_dir, out, names)
@@ -64,13 +62,13 @@ def _measured_once(config_dir: Path, tmp_path_factory: pytest.TempPathFactory, n
 
 
 @pytest.fixture(scope="module")
-def measured_two(config_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _measured_once(config_dir, tmp_path_factory, ["tp2", "tp2-sp"])
+def measured_two(config_dir: Path, run_dir: Path) -> dict:
+    return _measured_once(config_dir, run_dir, ["tp2", "tp2-sp"])
 
 
 @pytest.fixture(scope="module")
-def measured_four(config_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _measured_once(config_dir, tmp_path_factory, ["tp2-fsdp2", "tp2-sp-fsdp2"])
+def measured_four(config_dir: Path, run_dir: Path) -> dict:
+    return _measured_once(config_dir, run_dir, ["tp2-fsdp2", "tp2-sp-fsdp2"])
 
 
 def _check(config_dir: Path, name: str, ranks: list[dict]) -> None:
