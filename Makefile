@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test setup lint bench clean
 
 # pip byte-compiles what it installs one file at a time; it is told not to, and the environment is
-# compiled once afterwards on every core (the same files, a third of the set-up's time on two cores).
+# compiled once afterwards on every core (the same files, in a fraction of the time on two or more).
 # A file that does not compile on this Python (a library's test fixture written for a newer one) is
 # left as it is, as pip leaves it: hence `|| true`.
 $(STAMP): pyproject.toml
