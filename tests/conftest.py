@@ -9,6 +9,28 @@ import pytest
 import torch
 
 
+def _a_share_of_the_cores_per_worker() -> None:
+    """Under xdist, each worker's torch, and every process its tests start, runs on its share of the cores.
+
+    Left alone, each of two workers on two cores runs torch's intra-op pool on both, and so do the ranks and
+    commands the tests start: more threads than cores, whose parallel regions wait on threads the other
+    worker's work has descheduled. A count the environment sets (``OMP_NUM_THREADS``) is kept; tests that
+    need another set it themselves (``one_thread``; ``test_estimate_cpu_exact.py``'s intra-op tests run on two or more).
+    """
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
+
+_a_share_of_the_cores_per_worker()
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Run torch on one thread: tiny ops are faster so, and immune to other processes' load on the CPU."""

@@ -51,8 +51,9 @@ def _cases() -> list:
     return cases
 
 
-DEFAULT_THREADS = torch.get_num_threads()
-"""torch's intra-op thread count as the test session found it (the number of cores, usually)."""
+DEFAULT_THREADS = max(2, torch.get_num_threads())
+"""torch's intra-op thread count as the test session found it (the cores, or a worker's share of them:
+``conftest.py``), and at least two: the kernels' per-thread scratch shows with several threads."""
 
 
 @pytest.fixture(scope="module", autouse=True)
