@@ -19,11 +19,12 @@ def _a_share_of_the_cores_per_worker() -> None:
     """
     import os
 
+    from batchfit.planning.workers import available_cores
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // workers)
+    share = max(1, available_cores() // workers)
     os.environ["OMP_NUM_THREADS"] = str(share)
     torch.set_num_threads(share)
 

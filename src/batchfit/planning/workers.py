@@ -44,7 +44,7 @@ from ..memory.cache import CACHE, Uncacheable, cache_dir, workload_digest
 if TYPE_CHECKING:
     from ..workload import Workload
 
-__all__ = ["FitAhead", "fit_ahead", "resolve_workers"]
+__all__ = ["FitAhead", "available_cores", "fit_ahead", "resolve_workers"]
 
 CHILD_PATIENCE = 5.0
 """The plan waits for a child's configuration this many times what its own first configuration took
@@ -53,13 +53,18 @@ MIN_WAIT_S = 60.0
 """...and never less than this."""
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def resolve_workers(workers: Any) -> int:
     """Processes a plan may use: ``workers``, else ``BATCHFIT_WORKERS``, else the cores available."""
     source = "workers"
     if workers is None:
         env = os.environ.get("BATCHFIT_WORKERS", "").strip()
         if not env:
-            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            return available_cores()
         source, workers = "BATCHFIT_WORKERS", env
         try:
             workers = int(workers)
