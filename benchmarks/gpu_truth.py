@@ -152,12 +152,13 @@ def _torch(model: Callable[[], nn.Module], batch: Callable[[int], Any], name: st
 
 
 # -- the plain-loop cases of an H100 (benchmarks/results/README.md) -------------------------------------
-def _hub_lora(config: str, targets: str, seq_len: int) -> Any:
-    """A hub config of ``benchmarks/configs`` fine-tuned with LoRA r=16, alpha=32 on ``targets``."""
+def _hub_lora(config: str, targets: str, seq_len: int, quant: str = "", **overrides: Any) -> Any:
+    """A hub config of ``benchmarks/configs`` fine-tuned with LoRA r=16, alpha=32 on ``targets`` (``quant``:
+    QLoRA's base, e.g. ``nf4``; ``overrides``: config fields such as ``num_hidden_layers``)."""
     from batchfit.sources import load
 
-    return load(str(ROOT / "benchmarks" / "configs" / config), lora=f"r=16,alpha=32,targets={targets}",
-                seq_len=seq_len)  # fmt: skip
+    lora = f"r=16,alpha=32,targets={targets}" + (f",quant={quant}" if quant else "")
+    return load(str(ROOT / "benchmarks" / "configs" / config), lora=lora, seq_len=seq_len, **overrides)
 
 
 def _sgd(params: Any) -> torch.optim.Optimizer:
@@ -296,12 +297,22 @@ CASES = (
     Case("tv-vgg16-adam", "vision-cnn", partial(_tv, "vgg16", _adam), (("fp32", (32,)),)),
     Case("tv-inception_v3-299-adam", "vision-cnn", partial(_tv, "inception_v3", _adam, 299), (("fp32", (32,)),)),
     Case("lstm-lm-adam", "rnn", _lstm_lm, (("fp32", (64,)),)),
+    # bitsandbytes on the GPU: a QLoRA base (Llama-3.1-8B's layers, two of them, so that the model builds and
+    # quantises on the CPU in seconds) and 8-bit / paged AdamW states.
+    Case("llama31-8b-2l-qlora-qv-ckpt-s2048", "lora",
+         partial(_hub_lora, "llama-3.1-8b", "q_proj+v_proj", 2048, "nf4", num_hidden_layers=2),
+         (("bf16-true", (4, 8)),), checkpointing=True),
+    Case("hf-gpt2-adamw8bit", "preset", partial(_preset, "hf-gpt2", optimizer="adamw_8bit"), (("bf16", (8,)),)),
+    Case("hf-gpt2-paged-adamw8bit", "preset", partial(_preset, "hf-gpt2", optimizer="paged_adamw_8bit"),
+         (("bf16", (8,)),)),
 )  # fmt: skip
 BY_NAME = {c.name: c for c in CASES}
 
 CLASSES = {
-    "transformer": ("gpt2-small", "hf-gpt2", "hf-bert-large", "hf-vit-base", "llama-gqa", "t5-small-adamw"),
-    "LoRA/QLoRA": ("lora-llama", "llama31-8b-lora-qv-ckpt-s2048", "qwen25-7b-lora-all-ckpt-s4096"),
+    "transformer": ("gpt2-small", "hf-gpt2", "hf-bert-large", "hf-vit-base", "llama-gqa", "t5-small-adamw",
+                    "hf-gpt2-adamw8bit", "hf-gpt2-paged-adamw8bit"),
+    "LoRA/QLoRA": ("lora-llama", "llama31-8b-lora-qv-ckpt-s2048", "qwen25-7b-lora-all-ckpt-s4096",
+                   "llama31-8b-2l-qlora-qv-ckpt-s2048"),
     "CNN": ("cnn-resnet18", "hf-resnet50", "convnext-tiny", "efficientnet-b0", "mobilenet-v2", "vgg11-bn",
             "tv-resnet50-sgd", "tv-resnet50-sgd-bf16", "tv-densenet121-sgd", "tv-vgg16-adam",
             "tv-inception_v3-299-adam"),
