@@ -144,6 +144,47 @@ def test_dropout_inside_cpp_composites_keeps_a_one_byte_mask_on_cuda() -> None:
     assert saved_bytes(wl, b, "cpu") - saved_bytes(wl, b, "A100-40GB") == bhtt * (F32 - BOOL)
 
 
+HQ, HKV = 4, 2  # query heads, key/value heads of grouped-query attention
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal attention with half as many key/value heads as query heads: SDPA's ``enable_gqa``, or the
+    key/value heads repeated first (transformers' ``repeat_kv``)."""
+
+    def __init__(self, native: bool) -> None:
+        super().__init__()
+        self.native = native
+        self.q = nn.Linear(HQ * HEAD, HQ * HEAD, bias=False)
+        self.kv = nn.Linear(HQ * HEAD, 2 * HKV * HEAD, bias=False)
+        self.proj = nn.Linear(HQ * HEAD, HQ * HEAD, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, HQ, HEAD).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, HKV, HEAD).permute(2, 0, 3, 1, 4)
+        if self.native:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, HQ * HEAD))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch_2_14(precision: str) -> None:
+    def saved(native: bool) -> int:
+        wl = Workload(model=lambda: GroupedQueryAttention(native), batch=lambda n: torch.randn(n, T, HQ * HEAD),
+                      loss=_sum_loss)  # fmt: skip
+        return saved_bytes(wl, 2, "A100-40GB", precision)
+
+    bhtt, bht = 2 * HQ * T * T, 2 * HQ * T
+    # Flash attention takes bf16 with fewer key/value heads; no fused kernel took fp32 with them before torch
+    # 2.14 (memory-efficient attention had no grouped-query attention), so CUDA ran the math path, which keeps
+    # the B*H*T*T probabilities where a fused kernel keeps a B*H*T log-sum-exp; the rest is the same.
+    math = precision == "fp32" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
+    assert saved(native=True) - saved(native=False) == ((bhtt - bht) * F32 if math else 0)
+
+
 # -- 3. autocast --------------------------------------------------------------------------------
 class NormSoftmax(nn.Module):
     def __init__(self) -> None:

@@ -20,6 +20,15 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    with dropout regenerated from a Philox seed (``sdp_utils.cpp`` selects them for fp16/bf16, and
    memory-efficient attention for fp32 and arbitrary masks). We route attention to the CPU flash
    kernel, whose saved tensors have those sizes, with the mask passed through.
+   2a. Where no fused kernel takes the call, CUDA runs the math path too (``select_sdp_backend``): flash
+   and cuDNN attention take only fp16/bf16, and memory-efficient attention, which takes fp32, had no
+   grouped-query attention before torch 2.14 (its backward's meta kernel gives the key and value
+   gradients their own head counts from 2.14 on). So fp32 attention with ``enable_gqa`` and fewer
+   key/value heads than query heads (transformers passes it without a mask; a QLoRA step under peft's
+   k-bit preparation runs its attention in fp32) materialises the B*H*T*T scores and probabilities in
+   fp32: a real Llama-3.1-8B-shaped QLoRA step on an H200 (torch 2.11) took two 2 GiB transients per
+   layer at batch 4 x 2048 tokens, which the fused routing missed (reserved -15%). The trace runs
+   ``_scaled_dot_product_attention_math`` itself there, the same composite on both devices.
 3. Autocast. CUDA's autocast runs a list of ops in float32 (layer_norm, softmax, log_softmax, exp,
    pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
    ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
@@ -228,6 +237,10 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
 
         if query.dim() != 4 or query.shape[-1] > 256:
             return generic()
+        if _math_on_cuda(query, key, enable_gqa):
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, bool(is_causal), None, scale=scale, enable_gqa=True
+            )[0]
         q, k, v, mask = query, key, value, attn_mask
         if k.shape[1] != q.shape[1]:  # grouped-query attention: CUDA kernels take it natively
             rep = q.shape[1] // k.shape[1]
@@ -247,6 +260,21 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
 
     scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
     return scaled_dot_product_attention
+
+
+_MEMORY_EFFICIENT_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+"""Whether CUDA's memory-efficient attention takes grouped-query attention in this torch (NOTE, item 2a)."""
+
+
+def _math_on_cuda(query: torch.Tensor, key: torch.Tensor, enable_gqa: bool) -> bool:
+    """Whether CUDA's SDPA dispatch leaves grouped-query attention to the math path (NOTE, item 2a): no fused
+    kernel takes the query's dtype with fewer key/value heads. Autocast has not cast the inputs yet, so fp32
+    inputs under autocast (which casts them to fp16/bf16) are left to the fused routing."""
+    if not enable_gqa or key.shape[1] == query.shape[1] or torch.is_autocast_enabled("cpu"):
+        return False
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return False  # flash attention takes grouped-query attention natively
+    return query.dtype != torch.float32 or not _MEMORY_EFFICIENT_GQA
 
 
 def _fused_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
