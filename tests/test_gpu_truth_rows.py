@@ -22,6 +22,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 H200 = RESULTS / "gpu_truth-NVIDIA_H200-2026-11-26.csv"
 H100 = RESULTS / "gpu_truth-NVIDIA_H100_80GB_HBM3-2026-11-26.csv"
 STREAMS = RESULTS / "gpu_truth-NVIDIA_H200-streams-2026-11-26.csv"  # with snapshots-H200-2026-11-26/
+BNB = RESULTS / "gpu_truth-NVIDIA_H200-bnb-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28/
 SLACK = 0.5  # percentage points an error may move before the test calls it grown
 
 # (file, case, precision, batch): today's errors in %, allocated and reserved
@@ -44,10 +45,12 @@ ERRORS = {
     (H100, "tv-vgg16-adam", "fp32", 32): (-0.37, -4.38),
     (H100, "tv-inception_v3-299-adam", "fp32", 32): (-1.60, -6.95),
     (H100, "lstm-lm-adam", "fp32", 64): (3.57, 9.56),
+    (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 4): (0.00, -2.32),
+    (BNB, "hf-gpt2-paged-adamw8bit", "bf16", 8): (-0.10, 12.96),
 }
-CONSERVATIVE_PROBES = {("qwen25-7b-lora-all-ckpt-s4096", 8)}
-"""H100 probes that ran although the estimate says they do not fit: fit leaves that batch unused. The set
-may shrink, not grow."""
+CONSERVATIVE_PROBES = {("qwen25-7b-lora-all-ckpt-s4096", 8), ("lora-llama", 8)}
+"""Probes that ran although the estimate says they do not fit (an H100's, and one with an H200 capped at 4 GiB):
+fit leaves that batch unused. The set may shrink, not grow."""
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,12 @@ def test_a_probe_that_ran_out_of_memory_is_never_estimated_to_fit(truth: ModuleT
 
 CAPPED = [(r["case"], int(r["batch"]), r["result"]) for r in _measured(STREAMS, "probe")
           if r["case"] in ("gpt2-small", "hf-bert-large", "llama-gqa", "t5-small-adamw")]  # fmt: skip
+CAPPED_AT_FIT = [(r["case"], int(r["batch"]), r["result"]) for r in _measured(BNB, "probe")]
+OPTIMISTIC = {("hf-vit-base", 91), ("hf-vit-base", 92), ("hf-vit-base", 93), ("lstm-bi", 138), ("lstm-bi", 139)}
+"""Capped probes that ran out of memory although the estimate says they fit (the set may shrink, not grow):
+ViT-base's bias gradients stage partial sums the trace leaves out (``memory/kernels/cuda_reduce.py``), and
+cuDNN's LSTM takes a transient workspace it does not model (``memory/kernels/cuda.py``, item 5). ``fit``'s
+answer for ViT-base (90) keeps the attention family's measured error free and ran; the LSTM's (138) did not."""
 
 
 def test_the_capped_probes_are_the_ones_measured() -> None:
@@ -118,6 +127,31 @@ def test_the_capped_probes_are_the_ones_measured() -> None:
                       ("gpt2-small", 16, "out of memory"), ("hf-bert-large", 26, "out of memory"),
                       ("t5-small-adamw", 30, "ran"), ("t5-small-adamw", 31, "ran"), ("t5-small-adamw", 32, "ran"),
                       ("t5-small-adamw", 33, "ran"), ("t5-small-adamw", 34, "out of memory")]  # fmt: skip
+
+
+def test_the_probes_at_fits_answers_are_the_ones_measured() -> None:
+    """On an H200 capped at 8, 4 or 2 GiB: ``fit``'s answer for the cap (the first batch of each case) and the
+    batches after it."""
+    assert CAPPED_AT_FIT == [
+        ("hf-vit-base", 90, "ran"), ("hf-vit-base", 91, "out of memory"), ("hf-vit-base", 92, "out of memory"),
+        ("hf-vit-base", 93, "out of memory"), ("mixtral-moe", 17, "ran"), ("mixtral-moe", 18, "ran"),
+        ("mixtral-moe", 19, "out of memory"), ("lora-llama", 7, "ran"), ("lora-llama", 8, "ran"),
+        ("lora-llama", 9, "out of memory"), ("cnn-resnet18", 34, "ran"), ("cnn-resnet18", 35, "ran"),
+        ("lstm-bi", 138, "out of memory"), ("lstm-bi", 139, "out of memory"), ("hf-resnet50", 177, "ran"),
+        ("hf-resnet50", 178, "ran"), ("lstm-bi", 100, "ran"), ("lstm-bi", 112, "ran"), ("lstm-bi", 120, "ran"),
+        ("lstm-bi", 128, "ran")]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(CAPPED_AT_FIT)), ids=[f"{c}-{b}" for c, b, _ in CAPPED_AT_FIT])
+def test_a_capped_probe_that_ran_out_of_memory_is_estimated_to_fit_only_where_known(truth: ModuleType,
+                                                                                      index: int) -> None:  # fmt: skip
+    case, batch, result = CAPPED_AT_FIT[index]
+    replayed = truth.replay_row(_measured(BNB, "probe")[index])
+    assert replayed["error"] is None, replayed["error"]
+    if result == "out of memory":
+        assert replayed["est_fits"] is False or (case, batch) in OPTIMISTIC, batch
+    else:
+        assert replayed["est_fits"] or (case, batch) in CONSERVATIVE_PROBES, batch
 
 
 @pytest.mark.parametrize("case", ["gpt2-small", "hf-bert-large", "llama-gqa", "t5-small-adamw"])
@@ -138,8 +172,9 @@ FAMILY = {"lstm-bi": "recurrent", "lstm-lm-adam": "recurrent", "cnn-resnet18": "
           "tv-resnet50-sgd-bf16": "convolutional", "tv-vgg16-adam": "convolutional",
           "tv-inception_v3-299-adam": "convolutional", "hf-vit-base": "attention", "llama-gqa": "attention",
           "mixtral-moe": "attention", "t5-small-adamw": "attention", "hf-bert-large": "attention",
-          "lora-llama": "adapters",
-          "llama31-8b-lora-qv-ckpt-s2048": "adapters", "qwen25-7b-lora-all-ckpt-s4096": "adapters"}  # fmt: skip
+          "lora-llama": "adapters", "llama31-8b-2l-qlora-qv-ckpt-s2048": "adapters",
+          "llama31-8b-lora-qv-ckpt-s2048": "adapters", "qwen25-7b-lora-all-ckpt-s4096": "adapters",
+          "hf-gpt2-paged-adamw8bit": "attention"}  # fmt: skip
 """The family each recorded row's step falls in (``planning/known_error.families``: ViT's patch embedding is
 a convolution too, and the larger of its families' errors is kept)."""
 
