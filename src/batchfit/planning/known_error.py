@@ -63,10 +63,11 @@ KNOWN_ERRORS = {
 _FAMILY_OPS = (
     ("recurrent", ("rnn", "lstm", "gru")),
     ("convolutional", ("convolution",)),
-    ("attention", ("scaled_dot_product", "aten._softmax.")),
+    ("attention", ("scaled_dot_product", "aten._softmax.", "aten._safe_softmax.")),
 )
 """Which op names place a step in a family (any op containing one of the words; ``aten._softmax.`` is an
-attention's softmax, not the ``_log_softmax`` of a cross-entropy)."""
+attention's softmax, not the ``_log_softmax`` of a cross-entropy; ``aten._safe_softmax.`` is the softmax of
+attention's math path, which a trace runs for a CUDA GPU where no fused kernel takes the call)."""
 
 
 def keep_known_errors(asked: bool | None) -> bool:

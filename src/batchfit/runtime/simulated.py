@@ -149,6 +149,9 @@ class SimulatedDevice:
             self._handles[self._next_scratch] = handle
         return self._next_scratch
 
+    def sized_by(self, sid: int, reduction: Any, part: int) -> None:
+        """A traced step keeps what sizes a reduction's scratch; a step that runs has its size already."""
+
     def free_scratch(self, ids: Iterable[int]) -> None:
         """Free scratch ``add_scratch`` kept (buffers a kernel holds together and frees on return)."""
         for i in ids:

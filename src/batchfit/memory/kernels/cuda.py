@@ -60,13 +60,14 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    op's transient scratch), and its 8-bit matmul takes another branch on CUDA than on the CPU
    (``memory/kernels/quantized.py``).
 
+9. Reduction staging. A CUDA ``sum``/``mean`` whose outputs each have many inputs splits them across
+   thread blocks and stages partial results in a buffer from the caching allocator, with semaphores,
+   freed when the kernel returns (``memory/kernels/cuda_reduce.py``, NOTE [ CUDA reduction staging ]):
+   every linear layer's bias gradient takes one (128 MiB for a [4096, 4096] fp32 one on an H200). Both
+   are added after the op's output, empty where the kernel takes none, with the input's geometry
+   (``MemoryTrace.reductions``) that sizes them again at another batch size.
+
 Limitations:
-    A CUDA ``sum``/``mean`` that splits an output's inputs across thread blocks stages partial results in
-    a buffer from the caching allocator (every linear layer's bias gradient: 128 MiB for a [4096, 4096]
-    fp32 one on an H200). ``memory/kernels/cuda_reduce.py`` sizes it as ``Reduce.cuh`` does, to the byte of the
-    recorded streams, but it is not added to the trace yet: its size is not linear in the batch size (none
-    below a threshold, then bounded by the multiprocessors), and ``fit`` draws every storage on a line
-    through two small batches (``memory/synthesis/scaling.py``), so the line must learn the reduction's geometry first.
     cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
     (``batchfit calibrate`` folds it into the per-handle workspace); cuDNN's RNN reserve is modelled,
     its transient workspace is not; cuDNN convolution workspaces are an assumption unless a device
@@ -83,10 +84,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...gpu.catalog import Device
+from ...gpu.catalog import Device, threads_per_multiprocessor
 from ...precision import PrecisionPolicy
 from ..trace import overrides
-from . import cudnn, quantized
+from . import cuda_reduce, cudnn, quantized
 from .fused_loss import target_capability
 
 # -- 4. cuBLAS workspace ----------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class CudaKernels:
             (``device.cudnn_benchmark`` turns benchmark on as well).
     """
 
-    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS)
+    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS | cuda_reduce.OPS)
     """The ops ``after_op`` acts on (the tracer calls it for no other)."""
 
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
@@ -140,6 +141,17 @@ class CudaKernels:
             for call in cudnn.workspaces(func, args, kwargs, self._conv_ratios, self.cudnn_flags):
                 if call.nbytes > 0:
                     tracer.add_scratch(call.nbytes, call.label, transient=True)
+            return
+        if func in cuda_reduce.OPS:  # NOTE, item 9: staging, then semaphores; freed in reverse on return
+            threads = threads_per_multiprocessor(self.device.compute_capability)
+            reduction = cuda_reduce.reduction_of(func, args, kwargs, self.device.multiprocessors, threads)
+            if reduction is not None:
+                sizes = reduction.sizes()
+                sids = [tracer.add_scratch(n, f"CUDA reduction {part}", transient=False)
+                        for n, part in zip(sizes, ("staging", "semaphores"), strict=True)]  # fmt: skip
+                for part, sid in enumerate(sids):
+                    tracer.sized_by(sid, reduction, part)
+                tracer.free_scratch(reversed(sids))
             return
         if quantized.is_quantized_op(func):  # NOTE, item 8: alive together inside the op, freed on return
             sids = [tracer.add_scratch(n, label, transient=False) for n, label in quantized.gemm_4bit_scratch(

@@ -22,14 +22,20 @@ multiprocessor count and threads per multiprocessor (``Device.multiprocessors``,
 ``gpu.catalog.threads_per_multiprocessor``). Modelled: ``sum.dim_IntList`` and ``mean.dim``, for inputs that
 ``TensorIterator`` indexes with 32 bits (larger ones are split into sub-iterators, not modelled).
 
-Not in the trace yet (``memory/kernels/cuda.py``'s limitations): the size is not linear in the batch size (nothing
-below a threshold of inputs per output, then ``ctas_per_output`` bounded by the multiprocessors, then growing
-again), while ``fit`` extends every storage along a line through two small batches; the line has to carry
-the reduction's geometry before the buffer can join the estimate without making fit and estimate disagree.
+The size is not linear in the batch size (nothing below a threshold of inputs per output, then
+``ctas_per_output`` bounded by the multiprocessors, then growing again), while ``fit`` extends every storage along
+a line through two small batches (``memory/synthesis/scaling.py``). So the trace keeps each staging buffer's
+``Reduction``, the input's geometry and the GPU's, beside its storage (``MemoryTrace.reductions``), and a trace
+predicted at another batch size (or sequence length) sizes the buffer again from the input's shape there, each
+of its numbers being affine in the batch: the line carries the reduction's geometry, not its size. Every modelled
+reduction records both buffers, empty where the kernel takes none, so that two batch sizes on either side of the
+threshold still run the same events.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,51 +62,94 @@ def _last_pow2(n: int) -> int:
     return max(1, 1 << (max(n, 1).bit_length() - 1))
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """A reduction's input as ``gpu_reduce_kernel`` sees it, and the GPU it runs on: what sizes its staging."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    """The input's strides, in elements."""
+    offset: int
+    """The input's storage offset, in elements."""
+    itemsize: int
+    reduced: tuple[int, ...]
+    """The reduced dimensions, non-negative and sorted."""
+    acc: int
+    """Bytes of the accumulate type (``arg_t``)."""
+    multiprocessors: int
+    threads_per_mp: int
+
+    def sizes(self) -> tuple[int, int]:
+        """``(global_memory_size, semaphore_size)``: ``(0, 0)`` when the kernel reduces within blocks."""
+        if math.prod(self.shape) == 0:
+            return 0, 0
+        geometry = _iterator(self.shape, self.stride, self.itemsize, set(self.reduced))
+        if geometry is None:
+            return 0, 0
+        shape, strides, num_reduce = geometry
+        return _config(shape, strides, num_reduce, self.itemsize, self.acc, self.offset, self.multiprocessors,
+                       self.threads_per_mp)  # fmt: skip
+
+    def numbers(self) -> tuple[int, ...]:
+        """The numbers that change with the batch size or the sequence length: shape, strides, offset."""
+        return (*self.shape, *self.stride, self.offset)
+
+    def with_numbers(self, numbers: list[int] | tuple[int, ...]) -> Reduction:
+        """This reduction with ``numbers`` (as ``numbers()`` orders them) in place of its own."""
+        n = len(self.shape)
+        return replace(self, shape=tuple(numbers[:n]), stride=tuple(numbers[n : 2 * n]), offset=numbers[2 * n])
+
+
+def reduction_of(func: Any, args: tuple, kwargs: dict, multiprocessors: int, threads_per_mp: int
+                 ) -> Reduction | None:  # fmt: skip
+    """The ``Reduction`` of a traced ``func`` call (None: not a reduction modelled here, or none on this GPU)."""
+    if func not in OPS or not args or not isinstance(args[0], torch.Tensor) or multiprocessors <= 0:
+        return None
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+    if x.is_complex() or (dtype is not None and dtype.is_complex):
+        return None
+    nd = x.dim()
+    reduced = range(nd) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else {
+        d % max(nd, 1) for d in ([dims] if isinstance(dims, int) else dims)}  # fmt: skip
+    out = dtype or (x.dtype if x.is_floating_point() else torch.int64)
+    acc = 4 if out in (torch.float32, torch.float16, torch.bfloat16) else 8  # arg_t: float for half/bf16
+    return Reduction(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.element_size(), tuple(sorted(reduced)),
+                     acc, multiprocessors, threads_per_mp)  # fmt: skip
+
+
 def staging_bytes(func: Any, args: tuple, kwargs: dict, multiprocessors: int, threads_per_mp: int
                   ) -> tuple[int, int]:  # fmt: skip
     """The ``(global_memory_size, semaphore_size)`` the CUDA kernel of ``func`` allocates: ``(0, 0)`` when it
     reduces within blocks, or the op is not one modelled (NOTE [ CUDA reduction staging ])."""
-    if func not in OPS or not args or not isinstance(args[0], torch.Tensor) or multiprocessors <= 0:
-        return 0, 0
-    x = args[0]
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
-    if x.numel() == 0 or x.is_complex() or (dtype is not None and dtype.is_complex):
-        return 0, 0
-    geometry = _iterator(x, dims)
-    if geometry is None:
-        return 0, 0
-    shape, strides, num_reduce = geometry
-    out = dtype or (x.dtype if x.is_floating_point() else torch.int64)
-    acc = 4 if out in (torch.float32, torch.float16, torch.bfloat16) else 8  # arg_t: float for half/bf16
-    return _config(shape, strides, num_reduce, x.element_size(), acc, x.storage_offset(), multiprocessors,
-                   threads_per_mp)  # fmt: skip
+    reduction = reduction_of(func, args, kwargs, multiprocessors, threads_per_mp)
+    return (0, 0) if reduction is None else reduction.sizes()
 
 
-def _iterator(x: torch.Tensor, dims: Any) -> tuple[list[int], list[int], int] | None:
-    """``TensorIterator``'s shape and input strides (bytes) for reducing ``x`` over ``dims``: reduced
-    dimensions first, fastest first, coalesced; None when it would need 64-bit indexing."""
-    nd = x.dim()
-    reduced = set(range(nd)) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else {
-        d % nd for d in ([dims] if isinstance(dims, int) else dims)}  # fmt: skip
-    item = x.element_size()
-    span = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.stride(), strict=True)) * item
-    if span > _INT32_MAX or x.numel() > _INT32_MAX:  # can_use_32bit_indexing
+def _iterator(shape: tuple[int, ...], stride: tuple[int, ...], item: int, reduced: set[int]
+              ) -> tuple[list[int], list[int], int] | None:  # fmt: skip
+    """``TensorIterator``'s shape and input strides (bytes) for reducing a tensor of ``shape`` and ``stride``
+    over ``reduced``: reduced dimensions first, fastest first, coalesced; None when it would need 64-bit
+    indexing."""
+    nd = len(shape)
+    span = sum((s - 1) * abs(st) for s, st in zip(shape, stride, strict=True)) * item
+    if span > _INT32_MAX or math.prod(shape) > _INT32_MAX:  # can_use_32bit_indexing
         return None
-    kept = [d for d in range(nd) if x.shape[d] != 1]
-    order = sorted(kept, key=lambda d: (d not in reduced, x.stride(d), -d))
-    shape: list[int] = []
+    kept = [d for d in range(nd) if shape[d] != 1]
+    order = sorted(kept, key=lambda d: (d not in reduced, stride[d], -d))
+    out_shape: list[int] = []
     strides: list[int] = []
     kinds: list[bool] = []
     for d in order:
-        size, stride, is_reduced = x.shape[d], x.stride(d) * item, d in reduced
-        if shape and kinds[-1] == is_reduced and stride == shape[-1] * strides[-1]:
-            shape[-1] *= size
+        size, step, is_reduced = shape[d], stride[d] * item, d in reduced
+        if out_shape and kinds[-1] == is_reduced and step == out_shape[-1] * strides[-1]:
+            out_shape[-1] *= size
             continue
-        shape.append(size)
-        strides.append(stride)
+        out_shape.append(size)
+        strides.append(step)
         kinds.append(is_reduced)
-    return shape, strides, sum(kinds)
+    return out_shape, strides, sum(kinds)
 
 
 def _config(shape: list[int], strides: list[int], num_reduce: int, item: int, acc: int, offset: int,

@@ -121,9 +121,9 @@ def _synthesise(plain: MemoryTrace) -> MemoryTrace:
     out = dataclasses.replace(
         plain, events=[], nbytes=dict(plain.nbytes), role=dict(plain.role), module=dict(plain.module),
         phases=[], op=dict(plain.op), flops=dict(plain.flops), rows=dict(plain.rows), grads=[],
-        notes=list(plain.notes),
+        notes=list(plain.notes), reductions=dict(plain.reductions),
     )  # fmt: skip
-    tables = (out.nbytes, out.role, out.module, out.op, out.rows)
+    tables = (out.nbytes, out.role, out.module, out.op, out.rows, out.reductions)
     fresh = max(plain.nbytes, default=-1) + 1
     not_allocated = {sid for _, sid, copied, _ in grads if copied}  # added into micro-batch 1's in place
     handed = {sid: made_in for _, sid, copied, made_in in grads if not copied}  # a temporary in micro-batch 2

@@ -93,7 +93,7 @@ class _Writer(SweepReader):
     def write(self) -> MemoryTrace:
         t = self.t
         out = MemoryTrace(nbytes=dict(t.nbytes), role=dict(t.role), op=dict(t.op), rows=dict(t.rows),
-                          module={}, notes=[], flops={}, paged=set(t.paged))  # fmt: skip
+                          module={}, notes=[], flops={}, paged=set(t.paged), reductions=dict(t.reductions))  # fmt: skip
         for sid, pieces in self.labels.stacked.items():
             out.nbytes[sid] = self._stacked_bytes(t.nbytes[sid], pieces)
         self.out = out
@@ -200,7 +200,8 @@ class _Writer(SweepReader):
         period = self.stacks[stack].period
         blocks = (phase + period, phase + 2 * period)
         tpl = _Template(sweep, phase)
-        tables: list[tuple[dict, list[int], list[Any]]] = [(table, [], []) for table in (out.role, out.op, out.rows)]
+        tables: list[tuple[dict, list[int], list[Any]]] = [
+            (table, [], []) for table in (out.role, out.op, out.rows, out.reductions)]  # fmt: skip
         names: dict[tuple[str, int | None, str], int] = {}
         for a, b in sweep.templates[phase]:
             refs = zip(self._refs(a, stack, blocks[0]), self._refs(b, stack, blocks[1]))
@@ -220,7 +221,7 @@ class _Writer(SweepReader):
                 tpl.nbytes.append(t.nbytes[e])
                 parts = self.names.written_parts(t.module.get(e, ""), stack, blocks[0])
                 tpl.name_of.append(names.setdefault(parts, len(names)))
-                for (_, ns, values), source in zip(tables, (t.role, t.op, t.rows)):
+                for (_, ns, values), source in zip(tables, (t.role, t.op, t.rows, t.reductions), strict=True):
                     if e in source:
                         ns.append(made)
                         values.append(source[e])  # type: ignore[index]
@@ -297,7 +298,7 @@ class _Writer(SweepReader):
             out.events.append(sid)
             out.nbytes[sid] = t.nbytes[e]
             out.module[sid] = self.names.written(t.module.get(e, ""), stack, block, full)
-            for table in (out.role, out.op, out.rows):
+            for table in (out.role, out.op, out.rows, out.reductions):
                 if e in table:
                     table[sid] = table[e]  # type: ignore[index]
             if e in t.paged:

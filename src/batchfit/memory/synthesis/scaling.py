@@ -14,6 +14,7 @@ size (a different sequence of events) is detected, and the fitter falls back to 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..trace.fake_step import MemoryTrace
 
@@ -37,19 +38,30 @@ class TraceLine:
         self._base: dict[int, int] = {}
         self._slope: dict[int, tuple[int, int]] = {}  # sid -> (numerator, span)
         self.affine = True
+        self._reductions: dict[int, tuple[tuple[int, ...], tuple[int, ...], Any, int]] = {}
+        """sid -> the numbers of its reduction at the two batch sizes, the reduction and the part it sizes."""
         for s_low, s_high in pairs:
             n_low, n_high = low.nbytes[s_low], high.nbytes[s_high]
             self._base[s_high] = n_low
             self._slope[s_high] = (n_high - n_low, span)
+            if s_high in high.reductions and s_low in low.reductions:
+                (r_low, part), (r_high, _) = low.reductions[s_low], high.reductions[s_high]
+                self._reductions[s_high] = (r_low.numbers(), r_high.numbers(), r_high, part)
 
     def nbytes_at(self, b: int) -> dict[int, int]:
-        """Every storage's size at batch size ``b`` (rounded up where a size is not affine)."""
+        """Every storage's size at batch size ``b`` (rounded up where a size is not affine); a CUDA reduction's
+        staging sized from its input's geometry at ``b``, each number of which is affine (NOTE [ CUDA
+        reduction staging ])."""
         out = {}
         db = b - self.b_low
         for sid, base in self._base.items():
             num, span = self._slope[sid]
             q, r = divmod(num * db, span)
             out[sid] = max(0, base + q + (1 if r else 0))
+        span = self.b_high - self.b_low
+        for sid, (low, high, reduction, part) in self._reductions.items():
+            numbers = [lo + -(-(hi - lo) * db // span) for lo, hi in zip(low, high, strict=True)]
+            out[sid] = reduction.with_numbers(numbers).sizes()[part]
         return out
 
     def flops_at(self, b: int) -> dict[tuple[str, int], int]:
@@ -66,7 +78,7 @@ class TraceLine:
         h = self.high
         return MemoryTrace(
             events=h.events, nbytes=self.nbytes_at(b), role=h.role, module=h.module, phases=h.phases, op=h.op,
-            notes=h.notes, flops=self.flops_at(b), rows=h.rows, paged=h.paged,
+            notes=h.notes, flops=self.flops_at(b), rows=h.rows, paged=h.paged, reductions=h.reductions,
         )  # fmt: skip
 
 
@@ -98,9 +110,14 @@ class TraceCurve:
         self.xs = xs
         self.reference = points[-1][1]
         self._sizes: dict[int, list[int]] = {}  # the reference's sid -> its size at each length
+        numbers: dict[int, list[tuple[int, ...]]] = {}  # a reduction's sid -> its numbers at each length
         for _, trace in points:
             for sid, sid_ref in _aligned(trace, self.reference):
                 self._sizes.setdefault(sid_ref, []).append(trace.nbytes[sid])
+                if sid in trace.reductions and sid_ref in self.reference.reductions:
+                    numbers.setdefault(sid_ref, []).append(trace.reductions[sid][0].numbers())
+        self._numbers = {(sid, k): [ns[k] for ns in per_point] for sid, per_point in numbers.items()
+                         if len(per_point) == len(xs) for k in range(len(per_point[0]))}  # fmt: skip
         self._flops = {key: [trace.flops.get(key, 0) for _, trace in points] for key in self.reference.flops}
         self._dens = [math.prod(xi - xj for xj in xs if xj != xi) for xi in xs]
         self._den = math.lcm(*(abs(d) for d in self._dens))
@@ -115,15 +132,22 @@ class TraceCurve:
         return {key: max(0, -(-sum(w * y for w, y in zip(weights, ys)) // den)) for key, ys in values.items()}
 
     def nbytes_at(self, x: int) -> dict[int, int]:
-        """Every storage's size at length ``x`` (rounded up where a size falls between bytes)."""
-        return self._interpolate(self._sizes, x)
+        """Every storage's size at length ``x`` (rounded up where a size falls between bytes); a CUDA
+        reduction's staging sized from its input's geometry at ``x``."""
+        out = self._interpolate(self._sizes, x)
+        numbers = self._interpolate(self._numbers, x)
+        for sid, (reduction, part) in self.reference.reductions.items():
+            own = [numbers.get((sid, k)) for k in range(len(reduction.numbers()))]
+            if sid in out and None not in own:
+                out[sid] = reduction.with_numbers(own).sizes()[part]
+        return out
 
     def at(self, x: int) -> MemoryTrace:
         """The predicted trace at length ``x`` (the last point's events, modules and ops)."""
         r = self.reference
         return MemoryTrace(
             events=r.events, nbytes=self.nbytes_at(x), role=r.role, module=r.module, phases=r.phases, op=r.op,
-            notes=r.notes, flops=self._interpolate(self._flops, x), rows=r.rows,
+            notes=r.notes, flops=self._interpolate(self._flops, x), rows=r.rows, reductions=r.reductions,
         )  # fmt: skip
 
 

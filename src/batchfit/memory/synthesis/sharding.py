@@ -88,5 +88,5 @@ def shard_trace(trace: MemoryTrace, world_size: int) -> MemoryTrace:
     phases = [(index + 1, phase, step) for index, phase, step in trace.phases]
     return MemoryTrace(
         events=[gather, *trace.events], nbytes=nbytes, role=role, module=module, phases=phases, op=op,
-        notes=trace.notes, flops=trace.flops, rows=trace.rows, paged=trace.paged,
+        notes=trace.notes, flops=trace.flops, rows=trace.rows, paged=trace.paged, reductions=trace.reductions,
     )  # fmt: skip

@@ -64,6 +64,10 @@ class MemoryTrace:
     storage), whether autograd copied it into a new storage there rather than keeping the backward op's
     own output, and the module whose backward made it (``module`` names the parameter's). What a second
     micro-batch does differently is decided by these (``memory/synthesis/accumulation.py``)."""
+    reductions: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    """``sid -> (Reduction, part)`` of each CUDA reduction's staging (part 0) and semaphores (part 1)
+    (``memory/kernels/cuda_reduce.py``): sized again from the input's geometry where a trace is predicted at
+    another batch size or length, the size not being linear in the batch."""
     paged: set[int] = field(default_factory=set)
     """Storages in CUDA unified memory (paged optimizer states on a GPU, ``memory/kernels/paged.py``): events like
     any other, but outside the caching allocator, so left out of its replay (``allocations``) and of
@@ -291,6 +295,10 @@ class Tracer:
             if self._recorder is not None:
                 self._recorder.event(self)
         return sid
+
+    def sized_by(self, sid: int, reduction: Any, part: int) -> None:
+        """Keep what sizes scratch ``sid`` (a CUDA reduction's ``part``, ``MemoryTrace.reductions``)."""
+        self.trace.reductions[sid] = (reduction, part)
 
     def free_scratch(self, sids: Any) -> None:
         """Free scratch ``add_scratch`` recorded as kept (several buffers alive together inside one op)."""
