@@ -393,7 +393,7 @@ def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(
     assert new.kernels == [("_grouped_mm", "Meta", True)]
 
 
-# -- reduction staging (memory/kernels/cuda_reduce.py; not in the trace yet: NOTE's limitations) -------------
+# -- 9. reduction staging (memory/kernels/cuda_reduce.py) --------------------------------------------------
 @pytest.mark.parametrize(
     ("shape", "dims", "dtype", "staging", "semaphores"),
     [
@@ -414,3 +414,31 @@ def test_a_cuda_reduction_stages_partial_sums_when_blocks_split_an_output(shape,
     h200 = get_device("H200")
     assert staging_bytes(torch.ops.aten.sum.dim_IntList, (x, dims, False), {}, h200.multiprocessors, 2048) == (
         staging, semaphores)  # fmt: skip
+
+
+class _Biased(nn.Module):
+    """Two biased linear layers: each bias gradient sums the batch's rows of a 4096-wide gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 4096), nn.Linear(4096, 4096)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_line_through_two_small_batches_sizes_the_reduction_staging_at_a_large_one() -> None:
+    """The bias gradients stage nothing at 2 and 3 rows and fc1's 128 MiB at 4096 (fp32 on an H200): a line
+    through the sizes would say nothing; the trace predicted from the two small traces sizes each buffer from
+    its input at 4096 rows, and is the trace made there, storage for storage."""
+    from batchfit.memory.synthesis.scaling import TraceLine
+
+    wl = Workload(model=_Biased, batch=lambda b: torch.randn(b, 64), loss=_sum_loss)
+    small, smaller, large = (trace(wl, b, "H200")[0] for b in (3, 2, 4096))
+    staged = [s for s in large.events if s >= 0 and large.op.get(s) == "CUDA reduction staging"]
+    # fc1's bias gradient, in each of the two steps (fc2's sums the loss's expanded gradient, with zero strides)
+    assert [large.nbytes[s] for s in staged].count(128 * 2**20) == 2
+    assert all(smaller.nbytes[s] == 0 for s in smaller.events if s >= 0 and smaller.op.get(s, "").startswith("CUDA"))
+    predicted = TraceLine(smaller, 2, small, 3).at(4096)
+    assert [predicted.nbytes[s] for s in predicted.events if s >= 0] == [large.nbytes[s] for s in large.events
+                                                                        if s >= 0]  # fmt: skip
