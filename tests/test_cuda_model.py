@@ -183,6 +183,12 @@ def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch
     # the B*H*T*T probabilities where a fused kernel keeps a B*H*T log-sum-exp; the rest is the same.
     math = precision == "fp32" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
     assert saved(native=True) - saved(native=False) == ((bhtt - bht) * F32 if math else 0)
+    wl = Workload(model=lambda: GroupedQueryAttention(True), batch=lambda n: torch.randn(n, T, HQ * HEAD),
+                  loss=_sum_loss)  # fmt: skip
+    said = [n for n in trace(wl, 2, "A100-40GB", precision)[0].notes if "math path" in n]
+    assert said == (["attention with fewer key/value heads than query heads, in float32, runs PyTorch's math path "
+                     "on CUDA before torch 2.14 (no fused kernel takes it) and keeps its B x H x T x T scores; bf16 "
+                     "autocast (or kbit_prep=false for QLoRA) keeps flash attention"] if math else [])
 
 
 # -- 3. autocast --------------------------------------------------------------------------------

@@ -177,7 +177,14 @@ class CudaKernels:
         return out
 
     def finish(self, trace: Any) -> None:
-        return None
+        """Say where attention ran the math path (NOTE, item 2a): its scores are often most of the step."""
+        if _MATH_PATH:
+            dtypes = " and ".join(sorted(set(_MATH_PATH)))
+            trace.notes.append(
+                f"attention with fewer key/value heads than query heads, in {dtypes}, runs PyTorch's math path on "
+                f"CUDA before torch 2.14 (no fused kernel takes it) and keeps its B x H x T x T scores; bf16 "
+                f"autocast (or kbit_prep=false for QLoRA) keeps flash attention"
+            )
 
 
 # -- 5. recurrent layers: cuDNN's reserve space ------------------------------------------------------
@@ -250,6 +257,7 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
         if query.dim() != 4 or query.shape[-1] > 256:
             return generic()
         if _math_on_cuda(query, key, enable_gqa):
+            _MATH_PATH.append(str(query.dtype).removeprefix("torch."))
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, bool(is_causal), None, scale=scale, enable_gqa=True
             )[0]
@@ -274,6 +282,9 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
     return scaled_dot_product_attention
 
 
+_MATH_PATH: list[str] = []
+"""The dtype of each attention call of the trace being made that ran the math path (NOTE, item 2a): the estimate
+says so. Emptied when ``cuda_kernel_routing`` starts a trace."""
 _MEMORY_EFFICIENT_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 """Whether CUDA's memory-efficient attention takes grouped-query attention in this torch (NOTE, item 2a)."""
 
@@ -317,6 +328,7 @@ def cuda_kernel_routing() -> Iterator[None]:
     path (a limitation; all of torch.nn and transformers look them up on the module).
     """
     _register_fused_dropout()
+    _MATH_PATH.clear()
     saved = {name: getattr(F, name) for name in (*_DROPOUT_NAMES, "scaled_dot_product_attention")}
     try:
         for name in _DROPOUT_NAMES:

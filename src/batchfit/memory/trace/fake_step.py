@@ -241,7 +241,8 @@ def _trace_steps(
     if kernels is not None:
         kernels.finish(tracer.trace)
     trace = tracer.trace
-    trace.notes = [*notes, *(str(n) + (f" ({k} times)" if k > 1 else "") for n, k in values.notes.items())]
+    trace.notes = [*notes, *trace.notes,  # the kernel model's, from finish
+                   *(str(n) + (f" ({k} times)" if k > 1 else "") for n, k in values.notes.items())]
     return trace
 
 
