@@ -13,6 +13,7 @@ from batchfit import presets
 from batchfit.gpu.catalog import get_device
 from batchfit.memory.allocator.caching import replay
 from batchfit.memory.allocator.snapshot import PICKLE_PROTOCOL, build_snapshot, write_snapshot
+from batchfit.memory.categories import Category
 from batchfit.memory.estimate import finish_estimate, trace_for_device
 from batchfit.memory.trace.fake_step import MemoryTrace
 from batchfit.precision import policy_for
@@ -187,3 +188,18 @@ def test_the_segment_listing_adds_up_to_the_reserved_peak(gpt_trace) -> None:
     assert rows[-1]["reserved"] == sum(r["segment"] for r in rows) == stats.peak_reserved_bytes
     assert all(r["request"] <= r["segment"] and r["allocated"] <= r["reserved"] for r in rows)
     assert [r["index"] for r in rows] == sorted(r["index"] for r in rows)
+
+
+def test_a_snapshot_leaves_paged_optimizer_states_out_as_the_allocator_does(gpt_trace) -> None:
+    """Paged states live in CUDA unified memory: the exported stream, like the replay, never allocates them."""
+    import dataclasses
+
+    paged = {e for e in gpt_trace.events if e >= 0 and gpt_trace.role.get(e) == Category.OPTIMIZER_STATES}
+    assert paged
+    trace = dataclasses.replace(gpt_trace, paged=paged)
+    snap = build_snapshot(trace)
+    reserved, allocated = check_consistent(snap)
+    stats = replay(trace.allocations())
+    assert reserved == stats.reserved_bytes and allocated == stats.allocated_bytes
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    assert len(allocs) == sum(1 for e in trace.events if e >= 0 and trace.nbytes[e] > 0 and e not in paged)

@@ -181,11 +181,14 @@ def build_snapshot(trace: MemoryTrace, *, capacity_bytes: int | None = None, dev
     rec = _Recorder(trace, capacity_bytes)
     phases = trace.phases or [(0, "setup", 0)]
     k, phase, step = 0, phases[0][1], phases[0][2]
+    paged = trace.paged  # CUDA unified memory: never the caching allocator's (``MemoryTrace.allocations``)
     for i, e in enumerate(trace.events):
         while k < len(phases) and phases[k][0] <= i:
             _, phase, step = phases[k]
             k += 1
         rec.time = i
+        if (e if e >= 0 else ~e) in paged:
+            continue
         if e >= 0:
             if not rec.record_malloc(e, _frames(trace, e, phase, step)):
                 break
