@@ -121,6 +121,25 @@ def test_attention_with_dropout_keeps_no_t_by_t_matrix_on_cuda() -> None:
     assert math - flash == (3 * bhtt + 3 * bhtd - b * T * 3 * E - bht) * F32  # what the correction removes
 
 
+@pytest.mark.parametrize(("precision", "dtype_bytes"), [("bf16", 2), ("fp32", 4)])
+def test_a_fused_attention_backward_takes_a_workspace_after_its_gradients(precision: str, dtype_bytes: int) -> None:
+    """B*H*T*(D + 1)*4 + 256 bytes, after dq, dk, dv, freed at once (measured on an H200 to the byte; NOTE,
+    item 2b); none for fp32, which takes memory-efficient attention."""
+    b = 2
+    t, _ = trace(_attention(0.0), b, "H200", precision)
+    events = [e for e in t.events]
+    spaces = [i for i, e in enumerate(events) if e >= 0 and t.op.get(e) == "attention backward workspace"]
+    if precision == "fp32":
+        assert spaces == []
+        return
+    assert [t.nbytes[events[i]] for i in spaces] == [b * H * T * (HEAD + 1) * 4 + 256] * 2  # two steps
+    for i in spaces:
+        grads = events[i - 3 : i]
+        assert all(t.op.get(g) == "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" for g in grads)
+        assert [t.nbytes[g] for g in grads] == [b * H * T * HEAD * dtype_bytes] * 3
+        assert events[i + 1] == ~events[i]
+
+
 class BiasedAttention(Attention):
     """Attention with a learned additive bias (T5's relative positions): a mask that needs a gradient."""
 

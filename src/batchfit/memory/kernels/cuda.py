@@ -29,6 +29,14 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    fp32: a real Llama-3.1-8B-shaped QLoRA step on an H200 (torch 2.11) took two 2 GiB transients per
    layer at batch 4 x 2048 tokens, which the fused routing missed (reserved -15%). The trace runs
    ``_scaled_dot_product_attention_math`` itself there, the same composite on both devices.
+   2b. The fused backward's workspace. A fused attention backward in fp16/bf16, after making the three
+   gradients, takes one transient of ``B*H*T*(D + 1)*4 + 256`` bytes (B, H, T, D: the query's batch,
+   heads, length and head size): an fp32 accumulator of the query's gradient and an fp32 sum per row.
+   Measured on an H200 (torch 2.11 with cuDNN 9.19, whose SDPA prefers cuDNN attention on Hopper): to
+   the byte in every recorded step of GPT-2 (8, 14, 15 and 16 items) and ViT-base (32 and 90 to 93
+   items; ``benchmarks/results/snapshots-H200-*``). Flash attention's backward takes the same two fp32
+   buffers (``dq_accum``, ``softmax_d``), its lengths rounded up to 128. The CPU kernel takes none, so
+   the trace adds it after the gradients of ``_scaled_dot_product_flash_attention_for_cpu_backward``.
 3. Autocast. CUDA's autocast runs a list of ops in float32 (layer_norm, softmax, log_softmax, exp,
    pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
    ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
@@ -105,6 +113,11 @@ _GEMMS = frozenset(
 )
 
 
+_ATTENTION_BACKWARD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+                              "default", None)  # fmt: skip
+"""The backward of the kernel attention is routed to (NOTE, item 2); CUDA's fused one takes a workspace (2b)."""
+
+
 class _WatchedOps:
     """The ops ``CudaKernels.after_op`` acts on: GEMMs, cuDNN's, and bitsandbytes' (whichever are loaded)."""
 
@@ -124,7 +137,7 @@ class CudaKernels:
             (``device.cudnn_benchmark`` turns benchmark on as well).
     """
 
-    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS | cuda_reduce.OPS)
+    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS | cuda_reduce.OPS | {_ATTENTION_BACKWARD} - {None})
     """The ops ``after_op`` acts on (the tracer calls it for no other)."""
 
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
@@ -152,6 +165,11 @@ class CudaKernels:
                 for part, sid in enumerate(sids):
                     tracer.sized_by(sid, reduction, part)
                 tracer.free_scratch(reversed(sids))
+            return
+        if func is _ATTENTION_BACKWARD:  # NOTE, item 2b
+            nbytes = attention_backward_workspace(args)
+            if nbytes:
+                tracer.add_scratch(nbytes, "attention backward workspace", transient=True)
             return
         if quantized.is_quantized_op(func):  # NOTE, item 8: alive together inside the op, freed on return
             sids = [tracer.add_scratch(n, label, transient=False) for n, label in quantized.gemm_4bit_scratch(
@@ -280,6 +298,15 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
 
     scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
     return scaled_dot_product_attention
+
+
+def attention_backward_workspace(args: tuple) -> int:
+    """The workspace of CUDA's fused attention backward for this call's query (NOTE, item 2b; 0 outside fp16/bf16)."""
+    query = args[1] if len(args) > 1 else None
+    if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    b, h, t, d = query.shape
+    return b * h * t * (d + 1) * 4 + 256
 
 
 _MATH_PATH: list[str] = []
