@@ -37,6 +37,9 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    items; ``benchmarks/results/snapshots-H200-*``). Flash attention's backward takes the same two fp32
    buffers (``dq_accum``, ``softmax_d``), its lengths rounded up to 128. The CPU kernel takes none, so
    the trace adds it after the gradients of ``_scaled_dot_product_flash_attention_for_cpu_backward``.
+   With fewer key/value heads than query heads the GPU's workspace is ``B*H*T*D*4`` bytes larger (the
+   recorded Llama-shaped, LoRA and Mixtral-shaped steps, H the query heads): the key and value gradients
+   per query head, which the trace already makes as the gradients of the repeated heads.
 3. Autocast. CUDA's autocast runs a list of ops in float32 (layer_norm, softmax, log_softmax, exp,
    pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
    ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
