@@ -191,10 +191,12 @@ class GroupedQueryAttention(nn.Module):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch_2_14(precision: str) -> None:
+    def workload(native: bool) -> Workload:
+        return Workload(model=lambda: GroupedQueryAttention(native), batch=lambda n: torch.randn(n, T, HQ * HEAD),
+                        loss=_sum_loss)  # fmt: skip
+
     def saved(native: bool) -> int:
-        wl = Workload(model=lambda: GroupedQueryAttention(native), batch=lambda n: torch.randn(n, T, HQ * HEAD),
-                      loss=_sum_loss)  # fmt: skip
-        return saved_bytes(wl, 2, "A100-40GB", precision)
+        return saved_bytes(workload(native), 2, "A100-40GB", precision)
 
     bhtt, bht = 2 * HQ * T * T, 2 * HQ * T
     # Flash attention takes bf16 with fewer key/value heads; no fused kernel took fp32 with them before torch
@@ -202,9 +204,7 @@ def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch
     # the B*H*T*T probabilities where a fused kernel keeps a B*H*T log-sum-exp; the rest is the same.
     math = precision == "fp32" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
     assert saved(native=True) - saved(native=False) == ((bhtt - bht) * F32 if math else 0)
-    wl = Workload(model=lambda: GroupedQueryAttention(True), batch=lambda n: torch.randn(n, T, HQ * HEAD),
-                  loss=_sum_loss)  # fmt: skip
-    said = [n for n in trace(wl, 2, "A100-40GB", precision)[0].notes if "math path" in n]
+    said = [n for n in trace(workload(True), 2, "A100-40GB", precision)[0].notes if "math path" in n]
     assert said == (["attention with fewer key/value heads than query heads, in float32, runs PyTorch's math path "
                      "on CUDA before torch 2.14 (no fused kernel takes it) and keeps its B x H x T x T scores; bf16 "
                      "autocast (or kbit_prep=false for QLoRA) keeps flash attention"] if math else [])

@@ -279,7 +279,7 @@ def test_nothing_fits_names_a_larger_gpu_or_a_gpu_count_where_it_would(needs: di
     # One byte short of the smallest allocated peak (and the context) of the ladder: nothing on it can fit.
     one_gib = get_device("1GiB")
     total = min(one_item(one_gib, rung, 2).peak_allocated_bytes for rung in needs) + one_gib.context_bytes - 1
-    device = get_device("1GiB").with_overrides(total_bytes=total)
+    device = one_gib.with_overrides(total_bytes=total)
     with pytest.raises(DoesNotFitError) as info:
         plan(LONG_GPT, 64, device=device, gpus=2)
     message = str(info.value)

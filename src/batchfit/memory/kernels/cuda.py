@@ -151,6 +151,7 @@ class CudaKernels:
             flags = dataclasses.replace(flags, benchmark=True)
         self.cudnn_flags = flags
         self._conv_ratios = cudnn.ratios_for(device, self.cudnn_flags)
+        self._threads_per_mp = threads_per_multiprocessor(device.compute_capability)
 
     def after_op(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out_sids: list[int | None]) -> None:
         if func in cudnn.OPS:  # NOTE, item 7
@@ -159,8 +160,7 @@ class CudaKernels:
                     tracer.add_scratch(call.nbytes, call.label, transient=True)
             return
         if func in cuda_reduce.OPS:  # NOTE, item 9: staging, then semaphores; freed in reverse on return
-            threads = threads_per_multiprocessor(self.device.compute_capability)
-            reduction = cuda_reduce.reduction_of(func, args, kwargs, self.device.multiprocessors, threads)
+            reduction = cuda_reduce.reduction_of(func, args, kwargs, self.device.multiprocessors, self._threads_per_mp)
             if reduction is not None:
                 sizes = reduction.sizes()
                 sids = [tracer.add_scratch(n, f"CUDA reduction {part}", transient=False)

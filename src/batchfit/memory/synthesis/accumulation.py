@@ -123,7 +123,7 @@ def _synthesise(plain: MemoryTrace) -> MemoryTrace:
         phases=[], op=dict(plain.op), flops=dict(plain.flops), rows=dict(plain.rows), grads=[],
         notes=list(plain.notes), reductions=dict(plain.reductions),
     )  # fmt: skip
-    tables = (out.nbytes, out.role, out.module, out.op, out.rows, out.reductions)
+    tables = (out.nbytes, out.module, *out.carried())
     fresh = max(plain.nbytes, default=-1) + 1
     not_allocated = {sid for _, sid, copied, _ in grads if copied}  # added into micro-batch 1's in place
     handed = {sid: made_in for _, sid, copied, made_in in grads if not copied}  # a temporary in micro-batch 2

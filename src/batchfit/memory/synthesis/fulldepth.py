@@ -200,8 +200,7 @@ class _Writer(SweepReader):
         period = self.stacks[stack].period
         blocks = (phase + period, phase + 2 * period)
         tpl = _Template(sweep, phase)
-        tables: list[tuple[dict, list[int], list[Any]]] = [
-            (table, [], []) for table in (out.role, out.op, out.rows, out.reductions)]  # fmt: skip
+        tables: list[tuple[dict, list[int], list[Any]]] = [(table, [], []) for table in out.carried()]
         names: dict[tuple[str, int | None, str], int] = {}
         for a, b in sweep.templates[phase]:
             refs = zip(self._refs(a, stack, blocks[0]), self._refs(b, stack, blocks[1]))
@@ -221,7 +220,7 @@ class _Writer(SweepReader):
                 tpl.nbytes.append(t.nbytes[e])
                 parts = self.names.written_parts(t.module.get(e, ""), stack, blocks[0])
                 tpl.name_of.append(names.setdefault(parts, len(names)))
-                for (_, ns, values), source in zip(tables, (t.role, t.op, t.rows, t.reductions), strict=True):
+                for (_, ns, values), source in zip(tables, t.carried(), strict=True):
                     if e in source:
                         ns.append(made)
                         values.append(source[e])  # type: ignore[index]
@@ -298,7 +297,7 @@ class _Writer(SweepReader):
             out.events.append(sid)
             out.nbytes[sid] = t.nbytes[e]
             out.module[sid] = self.names.written(t.module.get(e, ""), stack, block, full)
-            for table in (out.role, out.op, out.rows, out.reductions):
+            for table in out.carried():
                 if e in table:
                     table[sid] = table[e]  # type: ignore[index]
             if e in t.paged:

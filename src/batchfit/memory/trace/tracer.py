@@ -73,6 +73,11 @@ class MemoryTrace:
     any other, but outside the caching allocator, so left out of its replay (``allocations``) and of
     ``memory_allocated``'s peak, and counted in ``Estimate.paged_optimizer_bytes`` instead."""
 
+    def carried(self) -> tuple[dict, ...]:
+        """The tables keyed by storage whose entries a copy of a storage keeps as they are (the writers of
+        ``memory/synthesis`` give a storage they write its template's): role, op, rows, reductions."""
+        return self.role, self.op, self.rows, self.reductions
+
     def allocations(self) -> Iterator[tuple[bool, int, int]]:
         """``(is_alloc, sid, nbytes)`` for each event, the form the allocator simulator replays (paged
         storages, which the allocator never sees, left out)."""
