@@ -408,9 +408,8 @@ class ValueMode(TorchDispatchMode):
         or a pure op on known values, deferred until they are read (NOTE [ Values computed when read ]).
 
         None where a pure op reads a fake whose value is unknown: running it on real values cannot work
-        either (``_real_call`` would find the same unknown input), so the caller does not try. Most ops of
-        a step are of this kind, and flattening their arguments a second time to find out was a fifth of
-        the time values took."""
+        either (``_real_call`` would find the same unknown input), so the caller does not try: most ops of
+        a step are of this kind, and each would have its arguments flattened a second time to find out."""
         mutable, aliasing, seeded = _kind(func)
         if mutable:
             return False
