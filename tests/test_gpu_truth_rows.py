@@ -114,8 +114,8 @@ CAPPED = [(r["case"], int(r["batch"]), r["result"]) for r in _measured(STREAMS, 
 CAPPED_AT_FIT = [(r["case"], int(r["batch"]), r["result"]) for r in _measured(BNB, "probe")]
 OPTIMISTIC = {("lstm-bi", 138), ("lstm-bi", 139)}
 """Capped probes that ran out of memory although the estimate says they fit (the set may shrink, not grow):
-cuDNN's LSTM takes a transient workspace the trace does not model (``memory/kernels/cuda.py``, item 5), and
-``fit``'s answer (138) ran out of memory."""
+cuDNN's LSTM takes a transient workspace the trace does not model (``memory/kernels/cuda.py``, item 5): ``fit``'s
+answer then (138, its allocated shortfall kept free) ran out of memory, and fit now keeps the reserved one."""
 
 
 def test_the_capped_probes_are_the_ones_measured() -> None:
@@ -179,14 +179,47 @@ a convolution too, and the larger of its families' errors is kept)."""
 
 
 def test_the_error_fit_keeps_free_is_each_familys_largest_measured_shortfall() -> None:
-    """``planning/known_error.py``'s figures are the rows' own: the largest allocated under-estimate of each
-    family among the recorded rows (a family with none keeps nothing)."""
+    """``planning/known_error.py``'s figures are the rows' own: the largest under-estimate of each family's
+    kept peak (allocated, or reserved: ``KnownError.peak``) among the recorded rows (a family with none keeps
+    nothing)."""
     from batchfit.planning.known_error import KNOWN_ERRORS
 
     worst: dict[str, float] = {}
-    for (_, case, _, _), (allocated, _) in ERRORS.items():
-        if case in FAMILY and allocated < 0:
-            family = FAMILY[case]
-            worst[family] = max(worst.get(family, 0.0), -allocated / 100)
+    for (_, case, _, _), errors in ERRORS.items():
+        family = FAMILY.get(case)
+        known = KNOWN_ERRORS.get(family or "")
+        error = errors[1] if known is not None and known.peak == "reserved" else errors[0]
+        if family is not None and error < 0:
+            worst[family] = max(worst.get(family, 0.0), -error / 100)
     assert {f: k.fraction for f, k in KNOWN_ERRORS.items()} == pytest.approx(worst, abs=1e-9)
+
+
+def test_a_family_whose_capped_step_ran_out_of_memory_at_fits_answer_keeps_its_reserved_shortfall() -> None:
+    """Each case's first capped probe was ``fit``'s answer then (its allocated shortfall kept); where that ran out
+    of memory, the allocated shortfall was shown not to be enough and the family keeps its reserved one."""
+    from batchfit.planning.known_error import KNOWN_ERRORS
+
+    first: dict[str, str] = {}
+    for case, _, result in CAPPED_AT_FIT:
+        first.setdefault(case, result)
+    short = {FAMILY[case] for case, result in first.items() if result == "out of memory"}
+    assert short == {"recurrent"}
+    assert {f for f, k in KNOWN_ERRORS.items() if k.peak == "reserved"} == short
+
+
+def test_fit_for_a_capped_lstm_answers_a_batch_that_ran(truth: ModuleType) -> None:
+    """The bidirectional LSTM capped at 2 GiB on an H200 ran at 100 to 128 items and ran out of memory at 138 and
+    139: fit, keeping the recurrent family's reserved shortfall free, answers a batch at most the largest that
+    ran (and above the smallest probed, which ran too)."""
+    import batchfit
+    from batchfit.planning.known_error import KNOWN_ERRORS
+
+    rows = [r for r in _measured(BNB, "probe") if r["case"] == "lstm-bi"]
+    ran = [int(r["batch"]) for r in rows if r["result"] == "ran"]
+    device = truth._replay_device(rows[0]["gpu"], int(rows[0]["capacity"]), None, {})[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHFIT_KNOWN_ERRORS", "1")
+        fitted = batchfit.fit(truth.BY_NAME["lstm-bi"].make(), device, precision="fp32")
+    assert min(ran) <= fitted.max_batch_size <= max(ran), fitted.max_batch_size
+    assert fitted.known_error == KNOWN_ERRORS["recurrent"].describe(fitted.known_error_bytes)
     assert set(FAMILY) >= {case for _, case, _, _ in ERRORS} - {"mlp"}  # the mlp runs no family's kernels
