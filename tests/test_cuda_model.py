@@ -433,12 +433,12 @@ def test_an_override_takes_the_place_of_torchs_own_python_kernel_on_older_torch(
 )
 def test_a_cuda_reduction_stages_partial_sums_when_blocks_split_an_output(shape, dims, dtype, staging,
                                                                           semaphores) -> None:  # fmt: skip
-    from batchfit.memory.kernels.cuda_reduce import staging_bytes
+    from batchfit.memory.kernels.cuda_reduce import reduction_of
 
     x = torch.empty(shape, dtype=dtype, device="meta")
     h200 = get_device("H200")
-    assert staging_bytes(torch.ops.aten.sum.dim_IntList, (x, dims, False), {}, h200.multiprocessors, 2048) == (
-        staging, semaphores)  # fmt: skip
+    reduction = reduction_of(torch.ops.aten.sum.dim_IntList, (x, dims, False), {}, h200.multiprocessors, 2048)
+    assert reduction is not None and reduction.sizes() == (staging, semaphores)
 
 
 class _Biased(nn.Module):

@@ -119,14 +119,6 @@ def reduction_of(func: Any, args: tuple, kwargs: dict, multiprocessors: int, thr
                      acc, multiprocessors, threads_per_mp)  # fmt: skip
 
 
-def staging_bytes(func: Any, args: tuple, kwargs: dict, multiprocessors: int, threads_per_mp: int
-                  ) -> tuple[int, int]:  # fmt: skip
-    """The ``(global_memory_size, semaphore_size)`` the CUDA kernel of ``func`` allocates: ``(0, 0)`` when it
-    reduces within blocks, or the op is not one modelled (NOTE [ CUDA reduction staging ])."""
-    reduction = reduction_of(func, args, kwargs, multiprocessors, threads_per_mp)
-    return (0, 0) if reduction is None else reduction.sizes()
-
-
 def _iterator(shape: tuple[int, ...], stride: tuple[int, ...], item: int, reduced: set[int]
               ) -> tuple[list[int], list[int], int] | None:  # fmt: skip
     """``TensorIterator``'s shape and input strides (bytes) for reducing a tensor of ``shape`` and ``stride``
