@@ -1,4 +1,5 @@
-"""Other libraries' warnings and log lines, held back while batchfit imports, builds and traces for the user.
+"""Other libraries' warnings and log lines, held back while batchfit imports, builds and traces for the user,
+and the release of torch that a behaviour depends on.
 
 Used wherever batchfit builds an optimizer or traces a step (sources, the fake step, the adapters), so
 it sits with the core modules every package may import.
@@ -40,3 +41,23 @@ def quiet_third_party() -> Iterator[None]:
     finally:
         for logger, level in saved:
             logger.setLevel(level)
+
+
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version (``"2.11.0+cu130"`` -> ``(2, 11)``; None: the installed torch's), for
+    the behaviours that changed between releases (the allocator's tie order, which kernels take an attention call).
+
+    Raises:
+        ConfigError: no version can be read from ``version``.
+    """
+    from .errors import ConfigError
+
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    try:
+        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        raise ConfigError(f"cannot read a torch version from {version!r}; e.g. '2.11.0'") from None
+    return major, minor

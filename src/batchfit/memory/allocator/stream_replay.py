@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import ConfigError
+from ...third_party import torch_release
 from ...units import format_bytes
 from .blocks import SMALL_BUFFER, _Block, round_size
 from .caching import CachingAllocator
@@ -207,12 +208,7 @@ def read_events(snapshot: dict[str, Any], device: int = 0) -> tuple[list[RealEve
 
 def tie_order_for(torch_version: str | None) -> str:
     """How the allocator of ``torch_version`` orders free blocks of one size (None: the installed torch)."""
-    version = torch_version or torch.__version__
-    try:
-        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        raise ConfigError(f"cannot read a torch version from {version!r}; e.g. '2.11.0'") from None
-    return "segment" if (major, minor) >= (2, 13) else "address"
+    return "segment" if torch_release(torch_version or None) >= (2, 13) else "address"
 
 
 def infer_capacity(events: list[RealEvent]) -> CapacityBounds:

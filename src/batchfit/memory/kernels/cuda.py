@@ -97,6 +97,7 @@ import torch.nn.functional as F
 
 from ...gpu.catalog import Device, threads_per_multiprocessor
 from ...precision import PrecisionPolicy
+from ...third_party import torch_release
 from ..trace import overrides
 from . import cuda_reduce, cudnn, quantized
 from .fused_loss import target_capability
@@ -315,7 +316,7 @@ def attention_backward_workspace(args: tuple) -> int:
 _MATH_PATH: list[str] = []
 """The dtype of each attention call of the trace being made that ran the math path (NOTE, item 2a): the estimate
 says so. Emptied when ``cuda_kernel_routing`` starts a trace."""
-_MEMORY_EFFICIENT_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+_MEMORY_EFFICIENT_GQA = torch_release() >= (2, 14)
 """Whether CUDA's memory-efficient attention takes grouped-query attention in this torch (NOTE, item 2a)."""
 
 
