@@ -346,11 +346,57 @@ def test_cuda_lstm_keeps_a_cudnn_reserve_per_layer_and_direction(bidirectional: 
     t, _ = trace(_lstm_workload(bidirectional), 8, "A100-40GB")
     start, end = _phase_bounds(t, "forward", 1)
     layers = [s for s in t.events[start:end] if s >= 0 and t.op.get(s) == "aten.mkldnn_rnn_layer.default"]
-    reserves = [s for s in layers if t.nbytes[s] == cudnn_rnn_reserve_bytes(10 * 8, 32, 2, F32)]
-    assert len(reserves) == 2 * (2 if bidirectional else 1)  # two layers, each direction
-    assert cudnn_rnn_reserve_bytes(10 * 8, 32, 2, F32) == 10 * 8 * 32 * 6 * 4  # LSTM: 4 gates + h + c
+    first = cudnn_rnn_reserve_bytes(10 * 8, 32, 2, F32)
+    assert first == 10 * 8 * 32 * 5 * 4  # LSTM: 4 gates, the cell and the hidden state, less the layer's output
+    # a bidirectional stack's second layer reads the first's concatenation, which the trace keeps for it
+    second = cudnn_rnn_reserve_bytes(10 * 8, 32, 2, F32, takes_concatenation=bidirectional)
+    reserves = [s for s in layers if t.nbytes[s] in (first, second) and t.nbytes[s] > 10 * 8 * 32 * 4]
+    assert sorted(t.nbytes[s] for s in reserves) == sorted([first, second] * (2 if bidirectional else 1))
     back_start, _ = _phase_bounds(t, "backward", 1)
     assert set(reserves) <= _alive_before(t, back_start)  # kept from the forward for the backward
+
+
+def _measured_lstms() -> list[dict]:
+    """The first time-major LSTM of each depth, direction and dtype among the recurrent problems measured on an
+    H200 (``benchmarks/cudnn_workspaces.py --rnn-seconds``), each cuDNN call's outputs recorded."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/cudnn-H200-2026-11-28/rnn_events.jsonl.gz"
+    chosen: dict[tuple, dict] = {}
+    with gzip.open(path, "rt") as f:
+        for row in map(json.loads, f):
+            if (row["mode"] == "LSTM" and not row["proj"] and not row["batch_first"] and "error" not in row
+                    and row["dtype"] != "fp16" and row["seq"] > 1 and row["seq"] * row["batch"] * row["hidden"] < 2e6):
+                chosen.setdefault((row["layers"], row["bidirectional"], row["dtype"]), row)
+    return [chosen[k] for k in sorted(chosen)]
+
+
+def _lstm_id(row: dict) -> str:
+    return f"{row['layers']}x{'bi' if row['bidirectional'] else 'uni'}-{row['dtype']}"
+
+
+@pytest.mark.parametrize("row", _measured_lstms(), ids=_lstm_id)
+def test_cuda_lstm_keeps_for_backward_what_cudnn_kept_on_an_h200(row: dict) -> None:
+    """What the traced LSTM keeps for its backward (as requested, before the allocator rounds it) is what cuDNN kept
+    on an H200: the reserve and the output ``y`` (the ``_cudnn_rnn`` call's recorded outputs), less the 256 to 296 bytes
+    cuDNN adds to the reserve; the trace also keeps the initial states and each layer's final ones,
+    ``4 x layers x directions`` vectors of ``B x H``."""
+    dtype = torch.float32 if row["dtype"] == "fp32" else torch.bfloat16
+    directions = 2 if row["bidirectional"] else 1
+    workload = Workload(
+        model=lambda: nn.LSTM(row["input"], row["hidden"], row["layers"], bidirectional=row["bidirectional"]).to(dtype),
+        batch=lambda b: torch.randn(row["seq"], b, row["input"], dtype=dtype),
+        loss=lambda m, x: m(x)[0].float().sum(),
+    )
+    forward = next(call for call in row["calls"][1] if call["op"] == "_cudnn_rnn")
+    y, _, _, reserve, _ = forward["outputs"]
+    states = 4 * row["layers"] * directions * row["batch"] * row["hidden"] * (4 if row["dtype"] == "fp32" else 2)
+    t, _ = trace(workload, row["batch"], "H200", "fp32" if row["dtype"] == "fp32" else "bf16-true")
+    start, _ = _phase_bounds(t, "backward", 1)
+    kept = sum(t.nbytes[s] for s in _alive_before(t, start) if t.role.get(s) == Category.ACTIVATIONS)
+    assert 256 <= reserve + y - (kept - states) <= 296  # cuDNN's alignment: 256-296 bytes in all 975 problems
 
 
 def test_cpu_lstm_counts_onednn_workspace() -> None:

@@ -23,6 +23,7 @@ H200 = RESULTS / "gpu_truth-NVIDIA_H200-2026-11-26.csv"
 H100 = RESULTS / "gpu_truth-NVIDIA_H100_80GB_HBM3-2026-11-26.csv"
 STREAMS = RESULTS / "gpu_truth-NVIDIA_H200-streams-2026-11-26.csv"  # with snapshots-H200-2026-11-26/
 BNB = RESULTS / "gpu_truth-NVIDIA_H200-bnb-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28/
+RNN = RESULTS / "gpu_truth-NVIDIA_H200-rnn-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-rnn/
 SLACK = 0.5  # percentage points an error may move before the test calls it grown
 
 # (file, case, precision, batch): today's errors in %, allocated and reserved
@@ -34,7 +35,7 @@ ERRORS = {
     (H200, "llama-gqa", "bf16", 8): (-0.08, -6.09),
     (H200, "mixtral-moe", "bf16", 8): (0.48, 14.32),
     (H200, "lora-llama", "bf16", 8): (1.73, 3.38),
-    (H200, "lstm-bi", "fp32", 64): (-22.10, -30.39),
+    (H200, "lstm-bi", "fp32", 64): (-32.11, -39.23),
     (H200, "vgg11-bn", "fp32", 16): (-0.35, -4.55),
     (H100, "llama31-8b-lora-qv-ckpt-s2048", "bf16-true", 8): (0.09, 0.07),
     (H100, "qwen25-7b-lora-all-ckpt-s4096", "bf16-true", 4): (0.40, 3.35),
@@ -44,7 +45,7 @@ ERRORS = {
     (H100, "tv-resnet50-sgd-bf16", "bf16", 128): (-0.46, -3.80),
     (H100, "tv-vgg16-adam", "fp32", 32): (-0.37, -4.38),
     (H100, "tv-inception_v3-299-adam", "fp32", 32): (-1.60, -6.95),
-    (H100, "lstm-lm-adam", "fp32", 64): (3.57, 9.56),
+    (H100, "lstm-lm-adam", "fp32", 64): (-0.02, 6.44),
     (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 4): (0.00, -2.32),
     (BNB, "hf-gpt2-paged-adamw8bit", "bf16", 8): (-0.08, 12.97),
 }
@@ -209,14 +210,15 @@ def test_a_family_whose_capped_step_ran_out_of_memory_at_fits_answer_keeps_its_r
 
 
 def test_fit_for_a_capped_lstm_answers_a_batch_that_ran(truth: ModuleType) -> None:
-    """The bidirectional LSTM capped at 2 GiB on an H200 ran at 100 to 128 items and ran out of memory at 138 and
+    """The bidirectional LSTM capped at 2 GiB on an H200 ran at 100 to 136 items and ran out of memory at 138 and
     139: fit, keeping the recurrent family's reserved shortfall free, answers a batch at most the largest that
     ran (and above the smallest probed, which ran too)."""
     import batchfit
     from batchfit.planning.known_error import KNOWN_ERRORS
 
-    rows = [r for r in _measured(BNB, "probe") if r["case"] == "lstm-bi"]
+    rows = [r for path in (BNB, RNN) for r in _measured(path, "probe") if r["case"] == "lstm-bi"]
     ran = [int(r["batch"]) for r in rows if r["result"] == "ran"]
+    assert sorted(ran) == [100, 112, 120, 128, 130, 132, 134, 136]
     device = truth._replay_device(rows[0]["gpu"], int(rows[0]["capacity"]), None, {})[0]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BATCHFIT_KNOWN_ERRORS", "1")

@@ -51,15 +51,21 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
 4. cuBLAS workspace. Each cuBLAS handle/stream gets a workspace from the caching allocator on its
    first GEMM (``CublasHandlePool.cpp``), and training uses two: the forward thread's and the
    autograd engine's. It stays allocated.
-5. Recurrent layers. On the CPU, ``nn.LSTM``/``GRU``/``RNN`` run oneDNN's ``mkldnn_rnn_layer``, whose
-   meta kernel returns an empty ``workspace``; on CUDA they run ``_cudnn_rnn``, which keeps a cuDNN
-   *reserve space* from the forward to the backward (``aten/src/ATen/native/cudnn/RNN.cpp``: its size
-   is ``cudnnGetRNNTempSpaces``'s reserve, allocated as a byte tensor from the caching allocator and
-   returned for backward). cuDNN does not publish the formula; the reserve holds, for every layer,
-   direction and time step, what backward needs: the gate pre-activations and the hidden and cell
-   states. It is modelled as ``T x B x H x (gates + 2)`` elements of the input's dtype per layer and
-   direction (gates: 4 LSTM, 3 GRU, 1 RNN), kept as long as the CPU kernel's workspace would be.
-   This is an assumption (``batchfit calibrate`` on a GPU checks it), on the side of more memory.
+5. Recurrent layers. On the CPU, ``nn.LSTM`` runs oneDNN's ``mkldnn_rnn_layer`` once per layer and
+   direction, whose meta kernel returns an empty ``workspace``; on CUDA one ``_cudnn_rnn`` call runs the
+   whole stack and keeps a cuDNN *reserve space* from the forward to the backward
+   (``aten/src/ATen/native/cudnn/RNN.cpp``: its size is ``cudnnGetRNNTempSpaceSizes``'s reserve, a byte
+   tensor from the caching allocator returned for backward). cuDNN does not publish its size; measured
+   on an H200 (cuDNN 9.19, ``benchmarks/cudnn_workspaces.py``, 975 random problems of every mode, dtype,
+   depth and direction) it is ``(U x layers - 1) x directions x T x B x H`` elements of the input's
+   dtype plus 256 bytes, with U = 6 for an LSTM (4 gates, the cell and the hidden state), 7 for a GRU and
+   2 for a plain RNN: every layer's U per time step, less the last layer's hidden states, which are the
+   output ``y``. The CPU trace already holds each layer's output as a tensor of its own (kept for the
+   next layer's backward, or as ``y``), so each layer and direction's ``workspace`` becomes the rest of
+   its share, ``U - 1`` units, and the stack's total is the GPU's to within the 256 bytes. The call's
+   transient cuDNN workspace (taken in the forward and twice in the backward, as large as the reserve
+   and often larger) follows no rule those problems show and is not modelled: the recurrent family's
+   known error keeps it free (``planning/known_error.py``).
 6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
    output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
    which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
@@ -147,6 +153,7 @@ class CudaKernels:
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
         self.device = device
         self._handles: set[str] = set()
+        self._rnn_calls = 0  # mkldnn_rnn_layer calls into the current stack (NOTE, item 5)
         flags = cudnn_flags if cudnn_flags is not None else cudnn.CudnnFlags.current()
         if device.cudnn_benchmark and not flags.benchmark:
             flags = dataclasses.replace(flags, benchmark=True)
@@ -192,8 +199,12 @@ class CudaKernels:
 
     def fix_outputs(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """Lay out outputs as the CUDA kernel makes them (NOTE, items 5-6)."""
-        if func is _RNN_LAYER:
-            return _with_reserve(args, out)
+        if func is _RNN_LAYER and len(args) >= 16:
+            # The CPU runs a stack's layers in order, each direction in turn: the call's place gives its layer.
+            layers, directions = max(1, int(args[11])), 2 if args[13] else 1
+            layer = self._rnn_calls // directions
+            self._rnn_calls = (self._rnn_calls + 1) % (layers * directions)
+            return _with_reserve(args, out, takes_concatenation=directions == 2 and layer > 0)
         if func is _GROUPED_MM:
             return _padded_grouped_mm(out)
         return out
@@ -211,23 +222,27 @@ class CudaKernels:
 
 # -- 5. recurrent layers: cuDNN's reserve space ------------------------------------------------------
 _RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
-_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # cuDNN modes: RNN_RELU, RNN_TANH, LSTM, GRU
+RESERVE_UNITS = {0: 2, 1: 2, 2: 6, 3: 7}
+"""cuDNN's reserve per layer, direction and time step, in hidden-size vectors, by mode (RNN_RELU, RNN_TANH, LSTM,
+GRU), as measured (NOTE, item 5)."""
 
 
-def cudnn_rnn_reserve_bytes(rows: int, hidden: int, mode: int, itemsize: int) -> int:
-    """The modelled cuDNN reserve of one layer and direction over ``rows`` = time steps x batch (NOTE, item 5)."""
-    return rows * hidden * (_GATES.get(mode, 4) + 2) * itemsize
+def cudnn_rnn_reserve_bytes(rows: int, hidden: int, mode: int, itemsize: int, takes_concatenation: bool = False) -> int:
+    """The share of cuDNN's reserve that one layer and direction adds to the CPU trace over ``rows`` = time steps x
+    batch: its units less the layer's output, which the trace holds already, and less one more where the layer
+    reads the concatenation of a bidirectional layer below, which the trace keeps for it (NOTE, item 5)."""
+    return rows * hidden * (RESERVE_UNITS.get(mode, 6) - 1 - takes_concatenation) * itemsize
 
 
-def _with_reserve(args: tuple, out: Any) -> Any:
+def _with_reserve(args: tuple, out: Any, takes_concatenation: bool) -> Any:
     # mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
     #                  has_biases, bidirectional, batch_first, train) -> (output, hy, cy, workspace)
-    if len(args) < 16 or not args[15] or not isinstance(out, tuple) or len(out) != 4:
+    if not args[15] or not isinstance(out, tuple) or len(out) != 4:
         return out
     # The layer's input is time-major, (T, B, features), or the (rows, features) of a packed sequence.
     x, mode, hidden = args[0], args[9], args[10]
     rows = x.shape[0] * x.shape[1] if x.dim() == 3 else x.shape[0]
-    nbytes = cudnn_rnn_reserve_bytes(rows, hidden, mode, x.element_size())
+    nbytes = cudnn_rnn_reserve_bytes(rows, hidden, mode, x.element_size(), takes_concatenation)
     reserve = torch.empty(nbytes, dtype=torch.uint8)
     return (*out[:3], reserve)
 
