@@ -20,7 +20,8 @@ of the few networks whose steps were recorded:
 ``torch.backends.cudnn.benchmark`` stays off (PyTorch's default: heuristics, no timing search). Rows go to
 ``--out`` as JSON lines as they are measured, so a run stopped at its deadline keeps what it measured.
 
-Run on a GPU: ``python benchmarks/cudnn_workspaces.py [--out DIR] [--seconds 100] [--rnn-seconds 150 [--only-rnn]]`` (without a GPU it says so and
+Run on a GPU: ``python benchmarks/cudnn_workspaces.py [--out DIR] [--seconds 100]
+[--rnn-seconds 150 [--only-rnn]]`` (without a GPU it says so and
 measures nothing).
 """
 

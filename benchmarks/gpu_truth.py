@@ -152,12 +152,13 @@ def _torch(model: Callable[[], nn.Module], batch: Callable[[int], Any], name: st
 
 
 # -- the plain-loop cases of an H100 (benchmarks/results/README.md) -------------------------------------
-def _hub_lora(config: str, targets: str, seq_len: int, quant: str = "", **overrides: Any) -> Any:
+def _hub_lora(config: str, targets: str, seq_len: int, quant: str = "", recipe: str = "", **overrides: Any) -> Any:
     """A hub config of ``benchmarks/configs`` fine-tuned with LoRA r=16, alpha=32 on ``targets`` (``quant``:
-    QLoRA's base, e.g. ``nf4``; ``overrides``: config fields such as ``num_hidden_layers``)."""
+    QLoRA's base, e.g. ``nf4``; ``recipe``: more ``--lora`` options, such as ``adapter_dtype=bf16``;
+    ``overrides``: config fields such as ``num_hidden_layers``)."""
     from batchfit.sources import load
 
-    lora = f"r=16,alpha=32,targets={targets}" + (f",quant={quant}" if quant else "")
+    lora = f"r=16,alpha=32,targets={targets}" + (f",quant={quant}" if quant else "") + (f",{recipe}" if recipe else "")
     return load(str(ROOT / "benchmarks" / "configs" / config), lora=lora, seq_len=seq_len, **overrides)
 
 
@@ -259,6 +260,9 @@ class Case:
         return "blocks" if self.checkpointing else None
 
 
+_PLAIN_LOOP = "adapter_dtype=bf16,reentrant=false"
+"""The ``--lora`` recipe of the H100 rows' plain training loop (``benchmarks/results/README.md``)."""
+
 CASES = (
     Case("mlp", "preset", partial(_preset, "mlp", in_features=1024, hidden=4096, depth=4),
          (("fp32", (512, 4096)),), (("fp32", (4096,)),)),
@@ -290,6 +294,14 @@ CASES = (
          (("bf16-true", (8,)),), checkpointing=True, probes=(14, 15, 16, 17), empty_weights=True),
     Case("qwen25-7b-lora-all-ckpt-s4096", "lora", partial(_hub_lora, "qwen2.5-7b", "all-linear", 4096),
          (("bf16-true", (4,)),), checkpointing=True, probes=(6, 7, 8, 9), empty_weights=True),
+    # The H100 rows' plain loop: the model cast to bf16 as a whole after peft wrapped it (bf16 adapters),
+    # checkpointing with use_reentrant=False.
+    Case("llama31-8b-lora-qv-ckpt-s2048-plain", "lora",
+         partial(_hub_lora, "llama-3.1-8b", "q_proj+v_proj", 2048, recipe=_PLAIN_LOOP),
+         (("bf16-true", (8,)),), checkpointing=True, probes=(15, 16), empty_weights=True),
+    Case("qwen25-7b-lora-all-ckpt-s4096-plain", "lora",
+         partial(_hub_lora, "qwen2.5-7b", "all-linear", 4096, recipe=_PLAIN_LOOP),
+         (("bf16-true", (4,)),), checkpointing=True, probes=(7, 8), empty_weights=True),
     Case("t5-small-adamw", "transformer", _t5_small, (("fp32", (32,)),)),
     Case("tv-resnet50-sgd", "vision-cnn", partial(_tv, "resnet50", _sgd), (("fp32", (64, 128)),)),
     Case("tv-resnet50-sgd-bf16", "vision-cnn", partial(_tv, "resnet50", _sgd), (("bf16", (128,)),)),
@@ -312,6 +324,7 @@ CLASSES = {
     "transformer": ("gpt2-small", "hf-gpt2", "hf-bert-large", "hf-vit-base", "llama-gqa", "t5-small-adamw",
                     "hf-gpt2-adamw8bit", "hf-gpt2-paged-adamw8bit"),
     "LoRA/QLoRA": ("lora-llama", "llama31-8b-lora-qv-ckpt-s2048", "qwen25-7b-lora-all-ckpt-s4096",
+                   "llama31-8b-lora-qv-ckpt-s2048-plain", "qwen25-7b-lora-all-ckpt-s4096-plain",
                    "llama31-8b-2l-qlora-qv-ckpt-s2048"),
     "CNN": ("cnn-resnet18", "hf-resnet50", "convnext-tiny", "efficientnet-b0", "mobilenet-v2", "vgg11-bn",
             "tv-resnet50-sgd", "tv-resnet50-sgd-bf16", "tv-densenet121-sgd", "tv-vgg16-adam",
@@ -456,7 +469,9 @@ def _estimates(workload: Any, batch: int, precision: str, device: Any, profiled:
     import batchfit
 
     est = batchfit.estimate(workload, batch, device=device, precision=precision, checkpointing=checkpointing)
-    out = {"est_allocated": est.peak_allocated_bytes, "est_reserved": est.peak_reserved_bytes,
+    # torch.cuda.max_memory_allocated counts whole blocks, as the allocator model's replay does
+    allocated = est.allocator_allocated_bytes if est.allocator_allocated_bytes is not None else est.peak_allocated_bytes
+    out = {"est_allocated": allocated, "est_reserved": est.peak_reserved_bytes,
            "est_total": est.device_total_bytes, "context_default": est.context_bytes, "est_fits": est.fits}  # fmt: skip
     if profiled is not None:
         p = batchfit.estimate(workload, batch, device=profiled, precision=precision, checkpointing=checkpointing)

@@ -542,3 +542,46 @@ def test_accounting_invariants_hold_on_random_sequences(ops, capacity, expandabl
     assert a.allocated_bytes == 0
     a.empty_cache()
     assert (a.reserved_bytes, a.segments()) == (0, [])
+
+
+def _order_decides(s: int, head: int, g: int) -> list[tuple[bool, int, int]]:
+    """Two free blocks of ``s`` bytes, one a whole segment, one the tail of a segment whose ``head`` bytes are live;
+    a request of ``s`` takes the one at the lower address, and a request of ``g`` then needs a new segment, which
+    fits only if the whole free segment is left to release. The split segment is made first."""
+    return [(True, 2, s + head), (True, 1, s), (False, 2, 0), (True, 3, head), (False, 1, 0), (True, 4, s),
+            (True, 5, g)]  # fmt: skip
+
+
+def test_which_of_two_equal_free_blocks_is_reused_follows_the_segments_addresses() -> None:
+    """Ascending addresses (the first segment lowest) reuse the split segment's tail, and the whole free segment is
+    released for the last request; descending ones (each new segment below the last, as the driver gave the
+    recorded Llama-3.1-8B LoRA steps) reuse the whole free segment and leave nothing to release, so the last
+    request runs out of memory."""
+    s, head, g = 64 * MiB, 20 * MiB, 100 * MiB
+    capacity = 2 * s + head + g - 2 * MiB
+    events = _order_decides(s, head, g)
+    ascending = replay(events, capacity_bytes=capacity)
+    descending = replay(events, capacity_bytes=capacity, descending_addresses=True)
+    assert descending.oom_at_event == len(events) - 1
+    assert ascending.oom_at_event is None and ascending.num_alloc_retries == 1
+    assert ascending.peak_reserved_bytes == (s + head) + g  # the whole free segment released, the new one made
+
+
+def test_an_estimate_fits_only_where_both_orders_of_addresses_run() -> None:
+    """NOTE [ Fits whatever addresses the driver gives ]: either order running out of memory means no fit; where
+    both run, the larger reserved peak is the estimate's."""
+    from batchfit.memory.estimate import _bounded_replay
+
+    class Stream:
+        def __init__(self, events: list[tuple[bool, int, int]]) -> None:
+            self.events = events
+
+        def allocations(self) -> list[tuple[bool, int, int]]:
+            return self.events
+
+    s, head, g = 64 * MiB, 20 * MiB, 100 * MiB
+    events = _order_decides(s, head, g)
+    assert _bounded_replay(Stream(events), 2 * s + head + g - 2 * MiB, False) is None
+    both = _bounded_replay(Stream(events), 4 * s + head + g, False)
+    assert both is not None
+    assert both.peak_reserved_bytes == max(replay(events, descending_addresses=d).peak_reserved_bytes for d in (0, 1))

@@ -199,15 +199,39 @@ def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch
         return saved_bytes(workload(native), 2, "A100-40GB", precision)
 
     bhtt, bht = 2 * HQ * T * T, 2 * HQ * T
-    # Flash attention takes bf16 with fewer key/value heads; no fused kernel took fp32 with them before torch
-    # 2.14 (memory-efficient attention had no grouped-query attention), so CUDA ran the math path, which keeps
-    # the B*H*T*T probabilities where a fused kernel keeps a B*H*T log-sum-exp; the rest is the same.
+    # Flash attention takes bf16 with fewer key/value heads natively, keeping the key and value as given where
+    # the repeated version keeps them repeated per query head (NOTE, item 2c); no fused kernel took fp32 with
+    # them before torch 2.14 (memory-efficient attention had no grouped-query attention), so CUDA ran the math
+    # path, which keeps the B*H*T*T probabilities where a fused kernel keeps a B*H*T log-sum-exp.
     math = precision == "fp32" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
-    assert saved(native=True) - saved(native=False) == ((bhtt - bht) * F32 if math else 0)
+    repeated_kv = 2 * 2 * (HQ - HKV) * T * HEAD * BF16  # the key and value, two items, the extra heads
+    assert saved(native=True) - saved(native=False) == ((bhtt - bht) * F32 if math else -repeated_kv)
     said = [n for n in trace(workload(True), 2, "A100-40GB", precision)[0].notes if "math path" in n]
     assert said == (["attention with fewer key/value heads than query heads, in float32, runs PyTorch's math path "
                      "on CUDA before torch 2.14 (no fused kernel takes it) and keeps its B x H x T x T scores; bf16 "
                      "autocast (or kbit_prep=false for QLoRA) keeps flash attention"] if math else [])
+
+
+def test_grouped_query_attention_backward_makes_its_own_heads_gradients_and_a_larger_workspace() -> None:
+    """bf16 grouped-query attention (NOTE, item 2c): the fused backward's gradients of the key and value have the
+    key/value head count, and its one workspace is ``B*H*T*D*4`` bytes larger than item 2b's (H the query heads:
+    787.06 MiB for a real Qwen2.5-7B step at 7 x 4096 tokens on an H200, 395.06 without it)."""
+    b = 2
+    wl = Workload(model=lambda: GroupedQueryAttention(True), batch=lambda n: torch.randn(n, T, HQ * HEAD),
+                  loss=_sum_loss)  # fmt: skip
+    t, _ = trace(wl, b, "H200", "bf16")
+    events = list(t.events)
+    spaces = [i for i, e in enumerate(events) if e >= 0 and t.op.get(e) == "attention backward workspace"]
+    assert [t.nbytes[events[i]] for i in spaces] == [b * HQ * T * (2 * HEAD + 1) * 4 + 256] * 2  # two steps
+    for i in spaces:
+        grads = events[i - 3 : i]
+        assert all(t.op.get(g) == "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" for g in grads)
+        assert [t.nbytes[g] for g in grads] == [b * h * T * HEAD * BF16 for h in (HQ, HKV, HKV)]
+    from batchfit.memory.kernels.cuda import attention_backward_workspace
+
+    query = torch.empty(7, 28, 4096, 128, dtype=torch.bfloat16, device="meta")
+    key = torch.empty(7, 4, 4096, 128, dtype=torch.bfloat16, device="meta")
+    assert attention_backward_workspace((None, query, key)) == 825_295_104
 
 
 # -- 3. autocast --------------------------------------------------------------------------------

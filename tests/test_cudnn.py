@@ -312,4 +312,4 @@ def test_a_cnn_on_a_16gb_gpu_needs_more_and_fits_fewer_items() -> None:
     # The largest workspace: a 3x3 64->64 convolution at 224x224, 48 x 64 x 224 x 224 fp32 in and out.
     assert after.cudnn_workspace_bytes == 2 * 48 * 64 * 224 * 224 * 4 + 64 * 64 * 9 * 4 == 1_233_272_832
     assert (fit_before.max_batch_size, fit_after.max_batch_size) == (69, 68)
-    assert fit_after.estimate.device_total_bytes == 16_907_239_424 <= fit_after.capacity_bytes
+    assert fit_after.estimate.device_total_bytes == 16_909_336_576 <= fit_after.capacity_bytes

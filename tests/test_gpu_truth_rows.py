@@ -2,10 +2,11 @@
 
 Each row was measured on a GPU (an H200 with batchfit's step runner, an H100 with a plain training loop;
 ``benchmarks/results/README.md``). Its error today, (estimate - real) / real of the allocated and the
-reserved peak, is recorded below as a percentage; the test fails when either grows by more than half a
-point, and the bounds are lowered as the model improves. The probes near an H100's capacity must never
-be estimated to fit where the real step ran out of memory. A subset of the rows keeps the suite fast;
-``benchmarks/gpu_truth.py --replay FILE`` estimates all of them.
+reserved peak (allocated as ``torch.cuda.max_memory_allocated`` counts it, whole blocks:
+``Estimate.allocator_allocated_bytes``), is recorded below as a percentage; the test fails when either grows
+by more than half a point, and the bounds are lowered as the model improves. The probes near an H100's
+capacity must never be estimated to fit where the real step ran out of memory. A subset of the rows keeps
+the suite fast; ``benchmarks/gpu_truth.py --replay FILE`` estimates all of them.
 """
 
 from __future__ import annotations
@@ -24,30 +25,31 @@ H100 = RESULTS / "gpu_truth-NVIDIA_H100_80GB_HBM3-2026-11-26.csv"
 STREAMS = RESULTS / "gpu_truth-NVIDIA_H200-streams-2026-11-26.csv"  # with snapshots-H200-2026-11-26/
 BNB = RESULTS / "gpu_truth-NVIDIA_H200-bnb-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28/
 RNN = RESULTS / "gpu_truth-NVIDIA_H200-rnn-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-rnn/
+PLAIN = RESULTS / "gpu_truth-NVIDIA_H200-plain-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-plain/
 SLACK = 0.5  # percentage points an error may move before the test calls it grown
 
 # (file, case, precision, batch): today's errors in %, allocated and reserved
 ERRORS = {
     (H200, "mlp", "fp32", 512): (-0.13, -0.25),
-    (H200, "cnn-resnet18", "fp32", 16): (-0.35, -32.19),
-    (H200, "hf-vit-base", "bf16", 32): (-0.58, 0.05),
-    (H200, "hf-resnet50", "bf16", 32): (-1.20, -4.17),
-    (H200, "llama-gqa", "bf16", 8): (-0.08, -6.09),
-    (H200, "mixtral-moe", "bf16", 8): (0.48, 14.32),
-    (H200, "lora-llama", "bf16", 8): (1.73, 3.38),
+    (H200, "cnn-resnet18", "fp32", 16): (-0.29, -32.19),
+    (H200, "hf-vit-base", "bf16", 32): (-0.03, 0.05),
+    (H200, "hf-resnet50", "bf16", 32): (0.15, -4.17),
+    (H200, "llama-gqa", "bf16", 8): (0.00, 0.00),
+    (H200, "mixtral-moe", "bf16", 8): (-0.04, 13.46),
+    (H200, "lora-llama", "bf16", 8): (0.00, 0.00),
     (H200, "lstm-bi", "fp32", 64): (-32.11, -39.23),
-    (H200, "vgg11-bn", "fp32", 16): (-0.35, -4.55),
+    (H200, "vgg11-bn", "fp32", 16): (-0.24, -4.55),
     (H100, "llama31-8b-lora-qv-ckpt-s2048", "bf16-true", 8): (0.09, 0.07),
-    (H100, "qwen25-7b-lora-all-ckpt-s4096", "bf16-true", 4): (0.40, 3.35),
+    (H100, "qwen25-7b-lora-all-ckpt-s4096", "bf16-true", 4): (0.54, 2.94),
     (H100, "t5-small-adamw", "fp32", 32): (0.00, 0.41),
     (STREAMS, "mlp", "fp32", 4096): (-0.10, -0.20),
-    (H100, "tv-resnet50-sgd", "fp32", 64): (-0.43, -0.18),
-    (H100, "tv-resnet50-sgd-bf16", "bf16", 128): (-0.46, -3.80),
-    (H100, "tv-vgg16-adam", "fp32", 32): (-0.37, -4.38),
-    (H100, "tv-inception_v3-299-adam", "fp32", 32): (-1.60, -6.95),
-    (H100, "lstm-lm-adam", "fp32", 64): (-0.02, 6.44),
+    (H100, "tv-resnet50-sgd", "fp32", 64): (-0.07, -0.18),
+    (H100, "tv-resnet50-sgd-bf16", "bf16", 128): (-0.00, -3.80),
+    (H100, "tv-vgg16-adam", "fp32", 32): (-0.25, -4.38),
+    (H100, "tv-inception_v3-299-adam", "fp32", 32): (-0.38, -6.95),
+    (H100, "lstm-lm-adam", "fp32", 64): (0.06, 6.44),
     (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 4): (0.00, -2.32),
-    (BNB, "hf-gpt2-paged-adamw8bit", "bf16", 8): (-0.08, 12.97),
+    (BNB, "hf-gpt2-paged-adamw8bit", "bf16", 8): (-0.00, 12.97),
 }
 CONSERVATIVE_PROBES = {("qwen25-7b-lora-all-ckpt-s4096", 8), ("lora-llama", 8)}
 """Probes that ran although the estimate says they do not fit (an H100's, and one with an H200 capped at 4 GiB):
@@ -225,3 +227,13 @@ def test_fit_for_a_capped_lstm_answers_a_batch_that_ran(truth: ModuleType) -> No
         fitted = batchfit.fit(truth.BY_NAME["lstm-bi"].make(), device, precision="fp32")
     assert min(ran) <= fitted.max_batch_size <= max(ran), fitted.max_batch_size
     assert fitted.known_error == KNOWN_ERRORS["recurrent"].describe(fitted.known_error_bytes)
+
+
+def test_the_plain_loops_probes_are_the_ones_measured() -> None:
+    """The H100 rows' recipe (bf16 adapters, non-reentrant checkpointing) in batchfit's step on an H200 capped at an
+    H100-80GB's capacity: the 7B ran at 7 and 8 items, the 8B ran out of memory at 15 and 16."""
+    assert [(r["case"], int(r["batch"]), r["result"]) for r in _measured(PLAIN, "probe")] == [
+        ("qwen25-7b-lora-all-ckpt-s4096-plain", 7, "ran"), ("qwen25-7b-lora-all-ckpt-s4096-plain", 8, "ran"),
+        ("llama31-8b-lora-qv-ckpt-s2048-plain", 15, "out of memory"),
+        ("llama31-8b-lora-qv-ckpt-s2048-plain", 16, "out of memory")]  # fmt: skip
+

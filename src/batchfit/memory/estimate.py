@@ -25,7 +25,7 @@ from ..activation_checkpointing import Selective, SelectiveRest, selected_blocks
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
-from .allocator.caching import replay, round_size
+from .allocator.caching import AllocatorStats, replay, round_size
 from .analytic import analytic_estimate
 from .cache import CACHE, Uncacheable, trace_key
 from .categories import ORDER, Category
@@ -91,6 +91,11 @@ class Estimate:
     selective_checkpointing: bool = False
     """The checkpointed blocks recompute only their cheap ops (NOTE [ Selective checkpointing ]); with
     ``checkpointed_blocks``, the blocks outside them do (NOTE [ Some blocks whole, the rest selectively ])."""
+    allocator_allocated_bytes: int | None = None
+    """The allocated-bytes peak as the caching allocator counts it (``torch.cuda.max_memory_allocated``): whole
+    blocks, a large block's unsplit leftover of up to 1 MiB included, from the allocator replay whose reserved
+    memory ``peak_reserved_bytes`` is (None on the CPU). ``peak_allocated_bytes`` counts live tensors' rounded
+    sizes alone, which is what the per-category ``breakdown`` adds up to."""
     paged_optimizer_bytes: int = 0
     """Optimizer states in CUDA unified memory (a paged bitsandbytes optimizer on a GPU): outside the
     caching allocator, so in neither ``peak_allocated_bytes`` nor ``peak_reserved_bytes``; held on the GPU
@@ -182,9 +187,21 @@ def estimate_from_trace(
     the step fits even where an unlimited cache would have grown past the capacity. If it raises OOM
     there, the unlimited replay's peak (necessarily above the capacity) is reported, so that
     ``device_total_bytes > capacity`` says "does not fit" in both the estimate and the fitter.
+
+    NOTE [ Fits whatever addresses the driver gives ]
+    Where the driver places a new segment is not the allocator's choice and not knowable off the GPU: the
+    recorded H200 streams placed new segments below every earlier one in some processes and above in
+    others (``memory/allocator/caching.py``). The caching allocator breaks ties between free blocks of
+    equal size by address, so near the capacity the same requests can run in one order and run out of
+    memory in the other: a Llama-3.1-8B LoRA step at 15 items (2048 tokens, capped at an H100-80GB's
+    capacity) ran out of memory on the GPU, whose addresses descended, and runs with ascending ones. The
+    bounded replay is therefore made in both orders; the step fits only where both run to the end, and the
+    larger of their reserved peaks is reported (the Qwen2.5-7B LoRA steps at 7 and 8 items reserved, on the
+    GPU, 4 MiB and 2 MiB more than the model's replay in the order the GPU used).
     """
     rounded = not device.exact
     reading = read_peak(trace, rounded=rounded)
+    blocks: int | None = None
     if device.exact:
         reserved, context, retries = reading.peak_bytes, 0, 0
     else:
@@ -193,12 +210,10 @@ def estimate_from_trace(
         limit = allocator_capacity if allocator_capacity is not None else device.usable_bytes
         # Live blocks above the limit run out of memory whatever the cache does: no bounded replay needed.
         if limit is not None and reading.peak_bytes <= limit:
-            bounded = replay(trace.allocations(), capacity_bytes=limit, expandable_segments=expandable_segments)
-            if bounded.oom_at_event is None:
-                stats = bounded
+            stats = _bounded_replay(trace, limit, expandable_segments)
         if stats is None:
             stats = replay(trace.allocations(), expandable_segments=expandable_segments)
-        reserved, retries = stats.peak_reserved_bytes, stats.num_alloc_retries
+        reserved, retries, blocks = stats.peak_reserved_bytes, stats.num_alloc_retries, stats.peak_allocated_bytes
     paged = paged_bytes(trace)
     phase, step = trace.phase_at(reading.event_index)
     workspace = sum(round_size(trace.nbytes[sid]) for sid, op in trace.op.items() if op.startswith("cuBLAS workspace"))
@@ -228,8 +243,22 @@ def estimate_from_trace(
         context_source="" if device.exact else device.context_source,
         context_assumption="" if device.exact else device.describe_context(),
         cudnn_workspace_bytes=conv_workspace,
+        allocator_allocated_bytes=blocks,
         paged_optimizer_bytes=paged,
     )
+
+
+def _bounded_replay(trace: MemoryTrace, limit: int, expandable_segments: bool) -> AllocatorStats | None:
+    """The trace replayed with the capacity in both orders of segment addresses, the one that reserved more;
+    None when either runs out of memory (NOTE [ Fits whatever addresses the driver gives ])."""
+    runs = []
+    for descending in (False, True):
+        stats = replay(trace.allocations(), capacity_bytes=limit, expandable_segments=expandable_segments,
+                       descending_addresses=descending)  # fmt: skip
+        if stats.oom_at_event is not None:
+            return None
+        runs.append(stats)
+    return max(runs, key=lambda r: r.peak_reserved_bytes)
 
 
 def paged_bytes(trace: MemoryTrace) -> int:

@@ -63,10 +63,11 @@ KNOWN_ERRORS = {
         peak="reserved",
     ),
     "attention": KnownError(
-        "attention", 0.0058, "ViT-base (bf16 autocast, batch 32) allocated 0.6% more on an H200 than estimated"
+        "attention", 0.0004, "a Mixtral-shaped mixture of experts (bf16 autocast, batch 8) allocated 0.04% more on an "
+        "H200 than estimated"
     ),
     "convolutional": KnownError(
-        "convolutional", 0.016, "Inception v3 (fp32, batch 32) allocated 1.6% more on an H100 than estimated"
+        "convolutional", 0.0038, "Inception v3 (fp32, batch 32) allocated 0.38% more on an H100 than estimated"
     ),
 }  # fmt: skip
 """Per family, the measurement (``benchmarks/results/gpu_truth-*.csv``, ``tests/test_gpu_truth_rows.py``)."""

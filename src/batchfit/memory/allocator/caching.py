@@ -17,9 +17,15 @@ Limitations:
       max_split_size ``release_available_cached_blocks`` frees nothing, so it is left out.
     * ``capacity_bytes`` is what the allocator can get from the driver (the CUDA context and other
       processes are the caller's to subtract); "free" in the out-of-memory message is capacity - reserved.
-    * New segments get increasing, never reused addresses; cudaMalloc may return a lower one. Addresses
-      only break ties between free blocks of equal size, so this may change which of two equal blocks is
-      reused, never the bytes counted for the allocation being made.
+    * New segments get increasing, never reused addresses, or with ``descending_addresses`` decreasing
+      ones, each below every earlier segment. The driver does either: of the recorded H200 streams, some
+      placed nearly every new segment below all earlier ones (a ResNet, BERT, T5, GPT-2, the Llama-3.1-8B
+      LoRA step), others above (the Llama-shaped decoder, ViT, the Qwen2.5-7B LoRA step), and none reused
+      a freed address. Addresses only break ties between free blocks of equal size, which changes which of
+      two equal blocks is reused and split, never the bytes of the allocation being made; but near the
+      capacity that decides whether a large block is found: the 8B LoRA step at 15 items ran out of memory
+      on the GPU (descending addresses) and in the model's descending replay, and runs in the ascending
+      one. NOTE [ Fits whatever addresses the driver gives ] in ``memory/estimate.py`` uses both.
     * Expandable segments map and unmap pages as ``ExpandableSegment`` does (2 MiB pages in the small pool,
       20 MiB in the large one) and reserved memory is the mapped pages. A segment's address space is 1 1/8
       of the capacity (C++: of the GPU's total memory). Driver granularity, mapping cost and IPC are not
@@ -56,6 +62,9 @@ from .expandable import (
     ExpandableSegments,
     _best_growable,
 )
+
+_DESCENDING_TOP = 1 << 56
+"""Where descending addresses start: above any address space the replays can use (2**56 bytes)."""
 
 __all__ = [
     "EXPANDABLE_SPACE_EXTRA_DIV",
@@ -117,7 +126,10 @@ class CachingAllocator(ExpandableSegments):
     event set the peak or ran out of memory.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, *, expandable_segments: bool = False) -> None:
+    def __init__(
+        self, capacity_bytes: int | None = None, *, expandable_segments: bool = False,
+        descending_addresses: bool = False,
+    ) -> None:  # fmt: skip
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError(f"capacity must be positive or None (unlimited), got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -129,6 +141,8 @@ class CachingAllocator(ExpandableSegments):
         self._live: dict[int, _Block] = {}
         self._handles = itertools.count(1)  # 0 is the null handle of an empty request
         self._next_addr = SMALL_BUFFER  # any nonzero start: 0 is below every real address
+        self._descending = descending_addresses
+        self._lowest_addr = _DESCENDING_TOP
         self._events = 0
         self._peak_event = -1
         self._oom_at_event: int | None = None
@@ -306,6 +320,9 @@ class CachingAllocator(ExpandableSegments):
         """Where a new segment (or an expandable segment's address space) of ``nbytes`` starts: the next
         unused address. A replay of a real GPU's events takes the GPU's own addresses instead
         (``memory/allocator/stream_replay.py``)."""
+        if self._descending:
+            self._lowest_addr -= nbytes
+            return self._lowest_addr
         ptr = self._next_addr
         self._next_addr += nbytes
         return ptr
@@ -345,6 +362,7 @@ def replay(
     *,
     capacity_bytes: int | None = None,
     expandable_segments: bool = False,
+    descending_addresses: bool = False,
 ) -> AllocatorStats:
     """Run a memory trace through a fresh allocator and return its counters.
 
@@ -353,6 +371,8 @@ def replay(
             ``nbytes`` is ignored. Event ``i`` is the allocator's event ``i``.
         capacity_bytes: memory the allocator may reserve; None for unlimited.
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        descending_addresses: new segments below every earlier one (the driver's other order; see the module's
+            notes).
 
     Returns:
         The counters after the last event, or at the first out-of-memory event, where the replay stops
@@ -362,7 +382,8 @@ def replay(
     Raises:
         ConfigError: a free of a key that is not live, or an allocation reusing a live key.
     """
-    alloc = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
+    alloc = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments,
+                             descending_addresses=descending_addresses)  # fmt: skip
     malloc, free = alloc._malloc_block, alloc._free_block
     blocks: dict[int, _Block | None] = {}
     for is_alloc, key, nbytes in events:

@@ -37,9 +37,17 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    items; ``benchmarks/results/snapshots-H200-*``). Flash attention's backward takes the same two fp32
    buffers (``dq_accum``, ``softmax_d``), its lengths rounded up to 128. The CPU kernel takes none, so
    the trace adds it after the gradients of ``_scaled_dot_product_flash_attention_for_cpu_backward``.
-   With fewer key/value heads than query heads the GPU's workspace is ``B*H*T*D*4`` bytes larger (the
-   recorded Llama-shaped, LoRA and Mixtral-shaped steps, H the query heads): the key and value gradients
-   per query head, which the trace already makes as the gradients of the repeated heads.
+   2c. Grouped-query attention in fp16/bf16. The fused kernels take fewer key/value heads natively: the
+   forward keeps the key and value as given (no copy repeated per query head; a real Qwen2.5-7B LoRA step
+   on an H200 allocated nothing between its key/value projections and the attention's output), and the
+   backward makes their gradients with their own head count, its workspace ``B*H*T*D*4`` bytes larger
+   (H the query heads: the key and value gradients per query head, in the same one transient; 787.06 MiB
+   where the model had 395.06 for that step at 7 x 4096 tokens, and in every recorded Llama-shaped, LoRA
+   and Mixtral-shaped step). The CPU kernel's fake takes those shapes too, so the trace passes them
+   unrepeated. Repeating them instead (as the trace did) keeps the same bytes in many smaller blocks, and
+   near the capacity that decides the fit: the capacity-limited replay of that step ran out of memory at 7
+   and 8 items where the GPU ran both (reserved 75,254 and 84,213 MB of 84,221; the model now 75,661 and
+   84,211 with the GPU's transformers).
 3. Autocast. CUDA's autocast runs a list of ops in float32 (layer_norm, softmax, log_softmax, exp,
    pow, the losses, ...; ``aten/src/ATen/autocast_mode.cpp``, ``KERNEL_CUDA(..., fp32)`` and
    ``fp32_set_opt_dtype``); the CPU's list is shorter, so on the CPU those ops stay in bf16 and save
@@ -298,10 +306,10 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, bool(is_causal), None, scale=scale, enable_gqa=True
             )[0]
+        # Grouped-query attention goes in as it is: CUDA's kernels take fewer key/value heads natively, keeping
+        # the key and value as given and making their gradients with their own head count, as the CPU kernel's
+        # fake does (NOTE, item 2b).
         q, k, v, mask = query, key, value, attn_mask
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: CUDA kernels take it natively
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if torch.is_autocast_enabled("cpu"):
             low = torch.get_autocast_dtype("cpu")
             q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
@@ -321,11 +329,12 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
 
 def attention_backward_workspace(args: tuple) -> int:
     """The workspace of CUDA's fused attention backward for this call's query (NOTE, item 2b; 0 outside fp16/bf16)."""
-    query = args[1] if len(args) > 1 else None
+    query, key = (args[1], args[2]) if len(args) > 2 else (None, None)
     if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.dtype not in (torch.float16, torch.bfloat16):
         return 0
     b, h, t, d = query.shape
-    return b * h * t * (d + 1) * 4 + 256
+    grouped = isinstance(key, torch.Tensor) and key.dim() == 4 and key.shape[1] != h
+    return b * h * t * (d + 1) * 4 + 256 + (b * h * t * d * 4 if grouped else 0)
 
 
 _MATH_PATH: list[str] = []
