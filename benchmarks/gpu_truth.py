@@ -740,7 +740,7 @@ def class_table(rows: list[dict[str, Any]]) -> Any:
             s = summary(mine, key)
             cells.append("-" if s is None else f"{100 * s['median']:.1f}% / {100 * min(0.0, s['worst_under']):+.1f}%")
         known = KNOWN_ERRORS.get(KNOWN_FAMILY[cls] or "")
-        kept = "nothing" if known is None else f"{100 * known.fraction:.1f}% ({known.family}, {known.peak})"
+        kept = "nothing" if known is None else f"{100 * known.fraction:.3g}% ({known.family}, {known.peak})"
         table.add_row(cls, str(len(mine)), *cells, kept, ", ".join(sorted({r["case"] for r in mine})))
     return table
 

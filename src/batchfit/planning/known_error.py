@@ -50,7 +50,7 @@ class KnownError:
 
     def describe(self, kept_bytes: int) -> str:
         """One line: what is kept free and why."""
-        return (f"kept {format_bytes(kept_bytes)} ({100 * self.fraction:.1f}% of the budget) free for {self.family} "
+        return (f"kept {format_bytes(kept_bytes)} ({100 * self.fraction:.3g}% of the budget) free for {self.family} "
                 f"layers: {self.evidence}")  # fmt: skip
 
 
