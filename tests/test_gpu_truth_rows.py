@@ -237,5 +237,6 @@ def test_the_plain_loops_probes_are_the_ones_measured() -> None:
         ("qwen25-7b-lora-all-ckpt-s4096-plain", 7, "ran"), ("qwen25-7b-lora-all-ckpt-s4096-plain", 8, "ran"),
         ("llama31-8b-lora-qv-ckpt-s2048-plain", 15, "out of memory"),
         ("llama31-8b-lora-qv-ckpt-s2048-plain", 16, "out of memory"),
-        ("llama31-8b-lora-qv-ckpt-s2048-plain", 14, "ran"), ("llama31-8b-lora-qv-ckpt-s2048-plain", 13, "ran")]  # fmt: skip
+        ("llama31-8b-lora-qv-ckpt-s2048-plain", 14, "ran"),
+        ("llama31-8b-lora-qv-ckpt-s2048-plain", 13, "ran")]  # fmt: skip
 
