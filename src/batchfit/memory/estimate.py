@@ -196,8 +196,9 @@ def estimate_from_trace(
     memory in the other: a Llama-3.1-8B LoRA step at 15 items (2048 tokens, capped at an H100-80GB's
     capacity) ran out of memory on the GPU, whose addresses descended, and runs with ascending ones. The
     bounded replay is therefore made in both orders; the step fits only where both run to the end, and the
-    larger of their reserved peaks is reported (the Qwen2.5-7B LoRA steps at 7 and 8 items reserved, on the
-    GPU, 4 MiB and 2 MiB more than the model's replay in the order the GPU used).
+    larger of their reserved peaks is reported. Traced with the GPU's transformers, the 8B step at 14 items
+    reserves in the descending replay what the GPU did to the byte, and the Qwen2.5-7B steps at 7 and 8 items
+    4 MiB and 2 MiB less than the GPU in the order it used.
     """
     rounded = not device.exact
     reading = read_peak(trace, rounded=rounded)
