@@ -82,6 +82,16 @@ def test_dropout_keeps_a_one_byte_mask_on_cuda() -> None:
     assert saved_bytes(wl, B, "A100-40GB") == B * D * F32 + B * D * BOOL
 
 
+def test_cuda_dropout_allocates_its_mask_before_its_output() -> None:
+    """CUDA's ``dropout_cuda`` makes the mask first (NOTE, item 1): the order decides which cached blocks the two
+    take (a GPT-2 step with paged 8-bit AdamW on an H200: reserved +13% with the output first, -0.02% with the mask
+    first)."""
+    wl = Workload(model=DropoutNet, batch=lambda b: torch.randn(b, D), loss=_sum_loss)
+    t, _ = trace(wl, B, "A100-40GB")
+    made = [s for s in t.events if s >= 0 and t.op.get(s) == "aten.native_dropout.default"]
+    assert [t.nbytes[s] for s in made] == [B * D * BOOL, B * D * F32] * 2  # two steps: the mask, then the output
+
+
 # -- 2. attention -------------------------------------------------------------------------------
 T, H, HEAD = 64, 2, 32  # sequence, heads, head size
 E = H * HEAD

@@ -168,6 +168,8 @@ class Tracer:
         self._tracker.on_error = self._on_error
         if kernels is not None and hasattr(kernels, "fix_outputs"):
             self._tracker.fix_outputs = partial(kernels.fix_outputs, self)
+        if kernels is not None and hasattr(kernels, "allocation_order"):
+            self._tracker.allocation_order = kernels.allocation_order
         self.failed_at: tuple[str, str] | None = None
         """``(module, op)`` of the first op that raised."""
         self._module_stack: list[str] = []

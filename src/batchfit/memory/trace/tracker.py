@@ -171,6 +171,9 @@ class StorageTracker(TorchDispatchMode):
         self.fix_outputs: Callable[[Any, tuple, dict, Any], Any] | None = None
         """``(func, args, kwargs, out) -> out``: may replace an op's fresh outputs before they are
         registered (a kernel model whose real kernel lays them out differently from the meta kernel)."""
+        self.allocation_order: Callable[[Any, list], list] | None = None
+        """``(func, outputs) -> outputs``: an op's outputs in the order its real kernel allocates them, which
+        is the order they are registered in (a kernel model whose real kernel allocates them in another)."""
         self._refs: dict[int, Any] = {}  # storage id -> weak reference to its storage
         self.current_node: Any = None
         """The autograd node running when the storage being registered was made (None in forward)."""
@@ -323,6 +326,8 @@ class StorageTracker(TorchDispatchMode):
             outputs = [t for t in out if isinstance(t, torch.Tensor)]
         else:
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self.allocation_order is not None:
+            outputs = self.allocation_order(func, outputs)
         for t in outputs:
             self.register(t)
         if func in _ZERO_FACTORIES and len(outputs) == 1:
