@@ -171,7 +171,7 @@ def _events_of(call: Any) -> tuple[Any, list[list]]:
 
 
 class _CudnnCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records each cuDNN RNN call's allocator events, its outputs' sizes and its arguments' shapes."""
+    """Records each cuDNN RNN call's allocator events and its outputs' sizes."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -70,16 +70,15 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    tensor from the caching allocator returned for backward). cuDNN does not publish its size; measured
    on an H200 (cuDNN 9.19, ``benchmarks/cudnn_workspaces.py``, 975 random problems of every mode, dtype,
    depth and direction) it is ``(U x layers - 1) x directions x T x B x H`` elements of the input's
-   dtype plus 256 to 296 bytes, with U = 6 for an LSTM (4 gates, the cell and the hidden state), 7 for a GRU and
-   2 for a plain RNN: every layer's U per time step, less the last layer's hidden states, which are the
-   output ``y``. The CPU trace already holds each layer's output as a tensor of its own (kept for the
-   next layer's backward, or as ``y``), so each layer and direction's ``workspace`` becomes the rest of
-   its share, ``U - 1`` units (``U - 2`` above the first layer of a bidirectional stack, whose input, the
-   concatenation of the two directions below, the trace keeps too), and the stack's total is the GPU's
-   to within those 256-296 bytes. The call's
-   transient cuDNN workspace (taken in the forward and twice in the backward, as large as the reserve
-   and often larger) follows no rule those problems show and is not modelled: the recurrent family's
-   known error keeps it free (``planning/known_error.py``).
+   dtype plus 256 to 296 bytes, with U = 6 for an LSTM (4 gates, the cell and the hidden state), 7 for a
+   GRU and 2 for a plain RNN: every layer's U per time step, less the last layer's hidden states, which
+   are the output ``y``. The CPU trace already holds each layer's output as a tensor of its own (kept for
+   the next layer's backward, or as ``y``), so each layer and direction's ``workspace`` becomes the rest
+   of its share, ``U - 1`` units (``U - 2`` above the first layer of a bidirectional stack, whose input,
+   the concatenation of the two directions below, the trace keeps too), and the stack's total is the
+   GPU's to within those 256-296 bytes. The call's transient cuDNN workspace (taken in the forward and
+   twice in the backward, as large as the reserve and often larger) follows no rule those problems show
+   and is not modelled: the recurrent family's known error keeps it free (``planning/known_error.py``).
 6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
    output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
    which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
