@@ -547,3 +547,71 @@ def test_a_line_through_two_small_batches_sizes_the_reduction_staging_at_a_large
     predicted = TraceLine(smaller, 2, small, 3).at(4096)
     assert [predicted.nbytes[s] for s in predicted.events if s >= 0] == [large.nbytes[s] for s in large.events
                                                                         if s >= 0]  # fmt: skip
+
+
+# -- 10. batch norm statistics on a float32 copy (memory/kernels/cuda_reduce.py) ----------------------------
+_BN = torch.ops.aten.native_batch_norm.default
+_INT32 = 2**31 - 1
+
+
+def _bn_args(x: torch.Tensor, training: bool = True) -> tuple:
+    c = x.shape[1]
+    return (x, torch.empty(c, device="meta"), torch.empty(c, device="meta"), torch.empty(c, device="meta"),
+            torch.empty(c, device="meta"), training, 0.1, 1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "dtype", "training", "copy"),
+    [
+        # a real ResNet-50 step at 3,299 images on an H200 (bf16 autocast) took 10,103 MiB for the 64-channel
+        # 112 x 112 maps: 2.65e9 elements, past 32-bit indexing (benchmarks/results/snapshots-H200-2026-11-28-capacity)
+        ((3299, 64, 112, 112), "contiguous", torch.bfloat16, True, 3299 * 64 * 112 * 112 * 4),
+        ((3298, 256, 56, 56), "contiguous", torch.bfloat16, True, 3298 * 256 * 56 * 56 * 4),
+        ((1, 1, 1, _INT32), "contiguous", torch.bfloat16, True, _INT32 * 4),  # 2**31 - 1 elements: not 32-bit
+        ((1, 1, 1, _INT32 - 1), "contiguous", torch.bfloat16, True, 0),
+        ((32, 64, 56, 56), "contiguous", torch.bfloat16, True, 0),  # a kernel of its own, no copy
+        ((32, 64, 56, 56), "channels_last", torch.bfloat16, True, 0),
+        ((32, 64, 56, 56), "transposed", torch.bfloat16, True, 32 * 64 * 56 * 56 * 4),  # no dense layout: General
+        ((3299, 64, 112, 112), "contiguous", torch.float16, True, None),  # make_reduction reads fp16 as it is
+        ((3299, 64, 112, 112), "contiguous", torch.float32, True, None),  # cuDNN's, or statistics in its own dtype
+        ((3299, 64, 112, 112), "contiguous", torch.bfloat16, False, None),  # evaluation: the running statistics
+    ],
+)
+def test_a_bf16_batch_norm_past_32_bit_indexing_takes_a_float32_copy(shape, layout, dtype, training, copy) -> None:
+    from batchfit.memory.kernels.cuda_reduce import stats_upcast_of
+
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = torch.empty(shape[:2] + shape[:1:-1], dtype=dtype, device="meta").transpose(2, 3)
+    upcast = stats_upcast_of(_BN, _bn_args(x, training), {})
+    assert (None if upcast is None else upcast.sizes()[0]) == copy
+
+
+class _ConvNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+def test_a_line_through_two_small_batches_takes_the_batch_norms_copy_where_the_batch_needs_it() -> None:
+    """Below 2**31 elements a bf16 batch norm takes no copy; at 16,384 images of 8 x 128 x 128 (2**31 elements)
+    it takes 8 GiB, right after its output and statistics, freed before the op returns. The trace predicted from
+    two small batches has it, storage for storage, as the trace made there."""
+    from batchfit.memory.synthesis.scaling import TraceLine
+
+    wl = Workload(model=_ConvNorm, batch=lambda b: torch.randn(b, 3, 128, 128), loss=_sum_loss)
+    smaller, small, large = (trace(wl, b, "H200", "bf16")[0] for b in (2, 3, 16384))
+    copies = [i for i, s in enumerate(large.events) if s >= 0 and large.op.get(s) == "batch norm statistics in float32"]
+    assert [large.nbytes[large.events[i]] for i in copies] == [16384 * 8 * 128 * 128 * 4] * 2  # one per step
+    for i in copies:
+        assert large.events[i + 1] == ~large.events[i]  # freed before the op returns
+        assert large.op.get(large.events[i - 1]) == "aten.native_batch_norm.default"  # after its three outputs
+    assert all(smaller.nbytes[s] == 0 for s in smaller.events if s >= 0 and smaller.op.get(s, "").startswith("batch"))
+    predicted = TraceLine(smaller, 2, small, 3).at(16384)
+    assert [predicted.nbytes[s] for s in predicted.events if s >= 0] == [large.nbytes[s] for s in large.events
+                                                                        if s >= 0]  # fmt: skip

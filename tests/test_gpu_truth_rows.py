@@ -27,6 +27,7 @@ BNB = RESULTS / "gpu_truth-NVIDIA_H200-bnb-probes-2026-11-28.csv"  # with snapsh
 RNN = RESULTS / "gpu_truth-NVIDIA_H200-rnn-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-rnn/
 PLAIN = RESULTS / "gpu_truth-NVIDIA_H200-plain-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-plain/
 EDGE = RESULTS / "gpu_truth-NVIDIA_H200-edge-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-edge/
+CAPACITY = RESULTS / "gpu_truth-NVIDIA_H200-capacity-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-capacity/
 SLACK = 0.5  # percentage points an error may move before the test calls it grown
 
 # (file, case, precision, batch): today's errors in %, allocated and reserved
@@ -249,3 +250,13 @@ def test_the_probes_after_fits_answers_are_the_ones_measured() -> None:
     transformers' ResNet-50 at 8 GiB; the LSTM's real maximum at 2 GiB): the first is the largest that runs."""
     assert [(r["case"], int(r["batch"]), r["result"]) for r in _measured(EDGE, "probe")] == [
         ("cnn-resnet18", 36, "out of memory"), ("hf-resnet50", 179, "ran"), ("lstm-bi", 137, "out of memory")]
+
+
+def test_the_whole_gpus_probes_are_the_ones_measured() -> None:
+    """Transformers' ResNet-50 in bf16 on a whole H200 at its recorded real maximum: 3,299 ran and 3,300 ran out of
+    memory again; the ResNet-18 shape ran out of memory at 634 (which an earlier run found ran) and 635."""
+    rows = _measured(CAPACITY, "step")
+    assert [(r["case"], int(r["batch"]), r["result"]) for r in rows] == [
+        ("hf-resnet50", 3299, "ran"), ("hf-resnet50", 3300, "out of memory"),
+        ("cnn-resnet18", 634, "out of memory"), ("cnn-resnet18", 635, "out of memory")]  # fmt: skip
+    assert all(r["snapshot"] for r in rows)

@@ -96,6 +96,11 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    every linear layer's bias gradient takes one (128 MiB for a [4096, 4096] fp32 one on an H200). Both
    are added after the op's output, empty where the kernel takes none, with the input's geometry
    (``MemoryTrace.reductions``) that sizes them again at another batch size.
+10. Batch norm statistics. A bf16 batch norm in training whose input needs 64-bit indexing (2**31 - 1
+   elements or more) or has no dense layout computes its mean and variance on a float32 copy of the input
+   on CUDA, a transient of 4 bytes per element; the CPU needs none (``memory/kernels/cuda_reduce.py``, NOTE
+   [ Batch norm statistics on a float32 copy ]). Like a reduction's staging it is sized from the input's
+   geometry at each batch size, empty below the threshold.
 
 Limitations:
     cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
@@ -160,7 +165,8 @@ class CudaKernels:
             (``device.cudnn_benchmark`` turns benchmark on as well).
     """
 
-    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS | cuda_reduce.OPS | {_ATTENTION_BACKWARD} - {None})
+    watched_ops = _WatchedOps(_GEMMS | cudnn.OPS | cuda_reduce.OPS | cuda_reduce.BATCH_NORM_OPS
+                              | {_ATTENTION_BACKWARD} - {None})  # fmt: skip
     """The ops ``after_op`` acts on (the tracer calls it for no other)."""
 
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
@@ -189,6 +195,12 @@ class CudaKernels:
                 for part, sid in enumerate(sids):
                     tracer.sized_by(sid, reduction, part)
                 tracer.free_scratch(reversed(sids))
+            return
+        if func in cuda_reduce.BATCH_NORM_OPS:  # NOTE, item 10: after the output, mean and inverse deviation
+            upcast = cuda_reduce.stats_upcast_of(func, args, kwargs)
+            if upcast is not None:
+                sid = tracer.add_scratch(upcast.sizes()[0], "batch norm statistics in float32", transient=True)
+                tracer.sized_by(sid, upcast, 0)
             return
         if func is _ATTENTION_BACKWARD:  # NOTE, item 2b
             nbytes = attention_backward_workspace(args)

@@ -30,6 +30,21 @@ predicted at another batch size (or sequence length) sizes the buffer again from
 of its numbers being affine in the batch: the line carries the reduction's geometry, not its size. Every modelled
 reduction records both buffers, empty where the kernel takes none, so that two batch sizes on either side of the
 threshold still run the same events.
+
+NOTE [ Batch norm statistics on a float32 copy ]
+Source: PyTorch's ``aten/src/ATen/native/cuda/Normalization.cu`` (``batch_norm_choose_impl``,
+``batch_norm_mean_var``) and ``aten/src/ATen/native/ReduceOpsUtils.h`` (``make_reduction``). CUDA runs a bf16
+batch norm with PyTorch's own kernels (cuDNN's takes no bf16 input: ``_select_batch_norm_backend``). In training
+they compute the batch's mean and variance with a dedicated kernel when the input is contiguous (or
+channels-last contiguous) and indexed with 32 bits; otherwise (``Impl::General``: 2**31 - 1 elements or more, or
+another layout) with ``var_mean_out``, whose ``make_reduction`` reads a float16 input as it is but casts any other
+input to the float32 of the statistics first (``self.to(dtype1)``): a transient copy of 4 bytes per element,
+allocated after the op's output, mean and inverse deviation, and freed before it returns. The CPU computes the
+statistics without one. A real ResNet-50 step in bf16 at 3,299 images on an H200 took 10,103 MiB for each batch
+norm of the 64- and 256-channel maps at 112 x 112 and 56 x 56 (2.65e9 elements each;
+``benchmarks/results/snapshots-H200-2026-11-28-capacity``), and ran out of memory at 3,300. Whether the copy is
+taken depends on the batch size, so the trace keeps the input's geometry (``StatsUpcast``) beside the copy, as
+for a reduction's staging, with the copy empty where the kernel takes none.
 """
 
 from __future__ import annotations
@@ -211,3 +226,76 @@ def _output_vec_size(shape: list[int], strides: list[int], num_reduce: int, item
         while n % vec:
             vec //= 2
     return vec
+
+
+# -- batch norm's statistics in float32 ----------------------------------------------------------------
+_BATCH_NORMS = {  # op -> the position of its ``training`` argument (None: always training)
+    getattr(getattr(torch.ops.aten, name, None), overload, None): training
+    for name, overload, training in (
+        ("native_batch_norm", "default", 5),
+        ("_native_batch_norm_legit", "default", 5),
+        ("_native_batch_norm_legit", "no_stats", 3),
+        ("_batch_norm_with_update", "default", None),
+    )
+}
+_BATCH_NORMS.pop(None, None)
+BATCH_NORM_OPS = frozenset(_BATCH_NORMS)
+"""The traced batch norms whose CUDA kernel may compute its statistics on a float32 copy (``StatsUpcast``)."""
+
+
+@dataclass(frozen=True)
+class StatsUpcast:
+    """A bf16 batch norm's input as ``batch_norm_mean_var`` sees it: what sizes the float32 copy of its ``General``
+    path (NOTE [ Batch norm statistics on a float32 copy ]). Sized again at another batch size as a ``Reduction``
+    is (``numbers``, ``with_numbers``, ``sizes``)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def sizes(self) -> tuple[int]:
+        """``(bytes of the float32 copy,)``: 0 unless the kernel takes the general path."""
+        numel = math.prod(self.shape)
+        return (4 * numel if numel and not _dedicated_kernel(self.shape, self.stride, self.offset) else 0,)
+
+    def numbers(self) -> tuple[int, ...]:
+        return (*self.shape, *self.stride, self.offset)
+
+    def with_numbers(self, numbers: list[int] | tuple[int, ...]) -> StatsUpcast:
+        n = len(self.shape)
+        return replace(self, shape=tuple(numbers[:n]), stride=tuple(numbers[n : 2 * n]), offset=numbers[2 * n])
+
+
+def stats_upcast_of(func: Any, args: tuple, kwargs: dict) -> StatsUpcast | None:
+    """The ``StatsUpcast`` of a traced batch norm (None where CUDA computes no statistics on a copy at any size: not
+    training, or an input other than bf16, whose statistics ``make_reduction`` reads as they are)."""
+    if func not in _BATCH_NORMS or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    at = _BATCH_NORMS[func]
+    training = True if at is None else (args[at] if len(args) > at else kwargs.get("training", False))
+    x = args[0]
+    if not training or x.dtype != torch.bfloat16:
+        return None
+    return StatsUpcast(tuple(x.shape), tuple(x.stride()), x.storage_offset())
+
+
+def _dedicated_kernel(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> bool:
+    """``batch_norm_choose_impl`` picks a kernel of its own (``Contiguous`` or ``ChannelsLast``): the input is
+    indexed with 32 bits (``canUse32BitIndexMath``) and contiguous, or channels-last contiguous in 4-d."""
+    numel = math.prod(shape)
+    span = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    if numel >= _INT32_MAX or span >= _INT32_MAX:
+        return False
+    if _dense_in(shape, stride, range(len(shape))):
+        return True
+    return len(shape) == 4 and _dense_in(shape, stride, (0, 2, 3, 1))
+
+
+def _dense_in(shape: tuple[int, ...], stride: tuple[int, ...], order: Any) -> bool:
+    """Whether the dimensions, outermost first in ``order``, are laid out densely (size-1 dimensions aside)."""
+    expected = 1
+    for d in reversed(tuple(order)):
+        if shape[d] != 1 and stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
