@@ -28,6 +28,7 @@ RNN = RESULTS / "gpu_truth-NVIDIA_H200-rnn-probes-2026-11-28.csv"  # with snapsh
 PLAIN = RESULTS / "gpu_truth-NVIDIA_H200-plain-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-plain/
 EDGE = RESULTS / "gpu_truth-NVIDIA_H200-edge-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-edge/
 CAPACITY = RESULTS / "gpu_truth-NVIDIA_H200-capacity-probes-2026-11-28.csv"  # with snapshots-H200-2026-11-28-capacity/
+BNB_CAPACITY = RESULTS / "gpu_truth-NVIDIA_H200-bnb-capacity-probes-2026-11-28.csv"  # -bnb-capacity snapshots
 SLACK = 0.5  # percentage points an error may move before the test calls it grown
 
 # (file, case, precision, batch): today's errors in %, allocated and reserved
@@ -260,3 +261,23 @@ def test_the_whole_gpus_probes_are_the_ones_measured() -> None:
         ("hf-resnet50", 3299, "ran"), ("hf-resnet50", 3300, "out of memory"),
         ("cnn-resnet18", 634, "out of memory"), ("cnn-resnet18", 635, "out of memory")]  # fmt: skip
     assert all(r["snapshot"] for r in rows)
+
+
+BNB_AT_FIT = [(r["case"], int(r["batch"]), r["result"]) for r in _measured(BNB_CAPACITY, "probe")]
+
+
+def test_the_bitsandbytes_probes_at_fits_answers_are_the_ones_measured() -> None:
+    """``fit``'s answers with bitsandbytes on an H200 capped at 32 GiB (the two-layer QLoRA) and 8 GiB (GPT-2 with
+    8-bit and paged 8-bit AdamW), and the batch after each: every answer ran, and the GPT-2 ones are the largest
+    that did. The QLoRA's worker timed out after its answer (its model is quantised on the CPU first)."""
+    assert BNB_AT_FIT == [
+        ("llama31-8b-2l-qlora-qv-ckpt-s2048", 6, "ran"), ("hf-gpt2-adamw8bit", 4, "ran"),
+        ("hf-gpt2-adamw8bit", 5, "out of memory"), ("hf-gpt2-paged-adamw8bit", 5, "ran"),
+        ("hf-gpt2-paged-adamw8bit", 6, "out of memory")]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(BNB_AT_FIT)), ids=[f"{c}-{b}" for c, b, _ in BNB_AT_FIT])
+def test_a_bitsandbytes_probe_is_estimated_to_fit_where_it_ran(truth: ModuleType, index: int) -> None:
+    replayed = truth.replay_row(_measured(BNB_CAPACITY, "probe")[index])
+    assert replayed["error"] is None, replayed["error"]
+    assert replayed["est_fits"] is (BNB_AT_FIT[index][2] == "ran"), BNB_AT_FIT[index]
