@@ -214,7 +214,8 @@ def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch
     # them before torch 2.14 (memory-efficient attention had no grouped-query attention), so CUDA ran the math
     # path, which keeps the B*H*T*T probabilities where a fused kernel keeps a B*H*T log-sum-exp.
     math = precision == "fp32" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
-    repeated_kv = 2 * 2 * (HQ - HKV) * T * HEAD * BF16  # the key and value, two items, the extra heads
+    itemsize = F32 if precision == "fp32" else BF16
+    repeated_kv = 2 * 2 * (HQ - HKV) * T * HEAD * itemsize  # the key and value, two items, the extra heads
     assert saved(native=True) - saved(native=False) == ((bhtt - bht) * F32 if math else -repeated_kv)
     said = [n for n in trace(workload(True), 2, "A100-40GB", precision)[0].notes if "math path" in n]
     assert said == (["attention with fewer key/value heads than query heads, in float32, runs PyTorch's math path "
