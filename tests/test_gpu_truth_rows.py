@@ -54,6 +54,17 @@ ERRORS = {
     (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 4): (0.00, -2.32),
     (BNB, "hf-gpt2-paged-adamw8bit", "bf16", 8): (-0.01, -0.02),
 }
+FP32_GQA = {"llama31-8b-2l-qlora-qv-ckpt-s2048"}
+"""Rows whose step runs grouped-query attention in fp32 (a QLoRA base under peft's k-bit preparation): CUDA took the
+math path for it before torch 2.14 and a fused kernel from 2.14 on, and the estimate follows the installed torch."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a recorded ``torch.__version__`` (``2.11.0+cu130``)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 CONSERVATIVE_PROBES = {("qwen25-7b-lora-all-ckpt-s4096", 8)}
 """Probes that ran although the estimate says they do not fit (an H100's: the plain loop's, estimated here with
 peft's default recipe and this transformers): fit leaves that batch unused. The set may shrink, not grow."""
@@ -82,7 +93,13 @@ def _row(path: Path, case: str, precision: str, batch: int) -> dict[str, str]:
 
 @pytest.mark.parametrize(("path", "case", "precision", "batch"), list(ERRORS), ids=lambda v: getattr(v, "stem", v))
 def test_a_measured_step_is_estimated_no_worse_than_recorded(truth: ModuleType, path, case, precision, batch) -> None:
-    row = truth.replay_row(_row(path, case, precision, batch))
+    from batchfit.third_party import torch_release
+
+    recorded = _row(path, case, precision, batch)
+    if case in FP32_GQA and torch_release() >= (2, 14) > _release(recorded["torch"]):
+        pytest.skip(f"recorded on torch {recorded['torch']}, whose CUDA ran fp32 grouped-query attention on the math "
+                    "path; this torch's memory-efficient kernel takes it (memory/kernels/cuda.py, item 2a)")
+    row = truth.replay_row(recorded)
     assert row["error"] is None, row["error"]
     allocated, reserved = ERRORS[path, case, precision, batch]
     assert abs(100 * row["err_allocated"]) <= abs(allocated) + SLACK, (row["err_allocated"], allocated)
