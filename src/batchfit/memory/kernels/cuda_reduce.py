@@ -33,18 +33,18 @@ threshold still run the same events.
 
 NOTE [ Batch norm statistics on a float32 copy ]
 Source: PyTorch's ``aten/src/ATen/native/cuda/Normalization.cu`` (``batch_norm_choose_impl``,
-``batch_norm_mean_var``) and ``aten/src/ATen/native/ReduceOpsUtils.h`` (``make_reduction``). CUDA runs a bf16
-batch norm with PyTorch's own kernels (cuDNN's takes no bf16 input: ``_select_batch_norm_backend``). In training
-they compute the batch's mean and variance with a dedicated kernel when the input is contiguous (or
-channels-last contiguous) and indexed with 32 bits; otherwise (``Impl::General``: 2**31 - 1 elements or more, or
-another layout) with ``var_mean_out``, whose ``make_reduction`` reads a float16 input as it is but casts any other
-input to the float32 of the statistics first (``self.to(dtype1)``): a transient copy of 4 bytes per element,
-allocated after the op's output, mean and inverse deviation, and freed before it returns. The CPU computes the
-statistics without one. A real ResNet-50 step in bf16 at 3,299 images on an H200 took 10,103 MiB for each batch
-norm of the 64- and 256-channel maps at 112 x 112 and 56 x 56 (2.65e9 elements each;
-``benchmarks/results/snapshots-H200-2026-11-28-capacity``), and ran out of memory at 3,300. Whether the copy is
-taken depends on the batch size, so the trace keeps the input's geometry (``StatsUpcast``) beside the copy, as
-for a reduction's staging, with the copy empty where the kernel takes none.
+``batch_norm_mean_var``) and ``aten/src/ATen/native/ReduceOpsUtils.h`` (``make_reduction``). CUDA runs a bf16 batch
+norm with PyTorch's own kernels (cuDNN's takes no bf16 input: ``_select_batch_norm_backend``). In training they
+compute the batch's mean and variance with a dedicated kernel when the input is contiguous (or channels-last
+contiguous) and indexed with 32 bits; otherwise (``Impl::General``: 2**31 - 1 elements or more, or another layout)
+with ``var_mean_out``, whose ``make_reduction`` reads a float16 input as it is but casts any other input to the
+float32 of the statistics first (``self.to(dtype1)``): a transient copy of 4 bytes per element, allocated after the
+op's output, mean and inverse deviation, and freed before it returns. The CPU computes the statistics without one. A
+real ResNet-50 step in bf16 at 3,299 images on an H200 took 10,103 MiB for each batch norm of the 64- and
+256-channel maps at 112 x 112 and 56 x 56 (2.65e9 elements each;
+``benchmarks/results/snapshots-H200-2026-11-28-capacity``). Whether the copy is taken depends on the batch size, so
+the trace keeps the input's geometry (``StatsUpcast``) beside the copy, as for a reduction's staging, with the copy
+empty where the kernel takes none.
 """
 
 from __future__ import annotations
@@ -251,19 +251,18 @@ class StatsUpcast:
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
 
     def sizes(self) -> tuple[int]:
         """``(bytes of the float32 copy,)``: 0 unless the kernel takes the general path."""
         numel = math.prod(self.shape)
-        return (4 * numel if numel and not _dedicated_kernel(self.shape, self.stride, self.offset) else 0,)
+        return (4 * numel if numel and not _dedicated_kernel(self.shape, self.stride) else 0,)
 
     def numbers(self) -> tuple[int, ...]:
-        return (*self.shape, *self.stride, self.offset)
+        return (*self.shape, *self.stride)
 
     def with_numbers(self, numbers: list[int] | tuple[int, ...]) -> StatsUpcast:
         n = len(self.shape)
-        return replace(self, shape=tuple(numbers[:n]), stride=tuple(numbers[n : 2 * n]), offset=numbers[2 * n])
+        return replace(self, shape=tuple(numbers[:n]), stride=tuple(numbers[n : 2 * n]))
 
 
 def stats_upcast_of(func: Any, args: tuple, kwargs: dict) -> StatsUpcast | None:
@@ -276,14 +275,14 @@ def stats_upcast_of(func: Any, args: tuple, kwargs: dict) -> StatsUpcast | None:
     x = args[0]
     if not training or x.dtype != torch.bfloat16:
         return None
-    return StatsUpcast(tuple(x.shape), tuple(x.stride()), x.storage_offset())
+    return StatsUpcast(tuple(x.shape), tuple(x.stride()))
 
 
-def _dedicated_kernel(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> bool:
+def _dedicated_kernel(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """``batch_norm_choose_impl`` picks a kernel of its own (``Contiguous`` or ``ChannelsLast``): the input is
     indexed with 32 bits (``canUse32BitIndexMath``) and contiguous, or channels-last contiguous in 4-d."""
     numel = math.prod(shape)
-    span = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    span = sum((s - 1) * st for s, st in zip(shape, stride, strict=True))  # the last element's, storage offset aside
     if numel >= _INT32_MAX or span >= _INT32_MAX:
         return False
     if _dense_in(shape, stride, range(len(shape))):
