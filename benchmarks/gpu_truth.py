@@ -336,8 +336,8 @@ CLASSES = {
 """The class of model each case is, for the per-class table; ``KNOWN_FAMILY`` says which measured error
 ``fit`` keeps free for it (``batchfit.planning.known_error``: the family its trace falls in)."""
 CLASS_OF = {case: cls for cls, cases in CLASSES.items() for case in cases}
-KNOWN_FAMILY = {"transformer": "attention", "LoRA/QLoRA": "adapters", "CNN": "convolutional", "RNN": "recurrent",
-                "MoE": "attention", "other": None}  # fmt: skip
+KNOWN_FAMILY = {"transformer": ("attention",), "LoRA/QLoRA": ("adapters", "4-bit"), "CNN": ("convolutional",),
+                "RNN": ("recurrent",), "MoE": ("attention",), "other": ()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -739,8 +739,8 @@ def class_table(rows: list[dict[str, Any]]) -> Any:
         for key in ("err_allocated", "err_reserved", "err_total"):
             s = summary(mine, key)
             cells.append("-" if s is None else f"{100 * s['median']:.1f}% / {100 * min(0.0, s['worst_under']):+.1f}%")
-        known = KNOWN_ERRORS.get(KNOWN_FAMILY[cls] or "")
-        kept = "nothing" if known is None else f"{100 * known.fraction:.3g}% ({known.family}, {known.peak})"
+        kept = "; ".join(f"{100 * known.fraction:.3g}% ({known.family}, {known.peak})" if known else f"nothing ({f})"
+                         for f, known in ((f, KNOWN_ERRORS.get(f)) for f in KNOWN_FAMILY[cls])) or "nothing"
         table.add_row(cls, str(len(mine)), *cells, kept, ", ".join(sorted({r["case"] for r in mine})))
     return table
 

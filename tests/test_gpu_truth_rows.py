@@ -54,6 +54,13 @@ ERRORS = {
     (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 4): (0.00, -2.32),
     (BNB, "hf-gpt2-paged-adamw8bit", "bf16", 8): (-0.01, -0.02),
 }
+CAPACITY_ERRORS = {
+    (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 4): -7.04,
+    (BNB, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 8): -7.80,
+    (BNB_CAPACITY, "llama31-8b-2l-qlora-qv-ckpt-s2048", "bf16-true", 6): -7.53,
+}
+"""The rows of the families whose kept error is the smallest capacity's (``KnownError.peak``): (trace - GPU) / GPU
+of the least capacity each completes in, in % (``benchmarks/capacity_need.py``)."""
 FP32_GQA = {"llama31-8b-2l-qlora-qv-ckpt-s2048"}
 """Rows whose step runs grouped-query attention in fp32 (a QLoRA base under peft's k-bit preparation): CUDA took the
 math path for it before torch 2.14 and a fused kernel from 2.14 on, and the estimate follows the installed torch."""
@@ -194,7 +201,7 @@ FAMILY = {"lstm-bi": "recurrent", "lstm-lm-adam": "recurrent", "cnn-resnet18": "
           "tv-resnet50-sgd-bf16": "convolutional", "tv-vgg16-adam": "convolutional",
           "tv-inception_v3-299-adam": "convolutional", "hf-vit-base": "attention", "llama-gqa": "attention",
           "mixtral-moe": "attention", "t5-small-adamw": "attention", "hf-bert-large": "attention",
-          "lora-llama": "adapters", "llama31-8b-2l-qlora-qv-ckpt-s2048": "adapters",
+          "lora-llama": "adapters", "llama31-8b-2l-qlora-qv-ckpt-s2048": "4-bit",
           "llama31-8b-lora-qv-ckpt-s2048": "adapters", "qwen25-7b-lora-all-ckpt-s4096": "adapters",
           "hf-gpt2-paged-adamw8bit": "attention"}  # fmt: skip
 """The family each recorded row's step falls in (``planning/known_error.families``: ViT's patch embedding is
@@ -211,9 +218,13 @@ def test_the_error_fit_keeps_free_is_each_familys_largest_measured_shortfall() -
     for (_, case, _, _), errors in ERRORS.items():
         family = FAMILY.get(case)
         known = KNOWN_ERRORS.get(family or "")
+        if known is not None and known.peak == "capacity":
+            continue
         error = errors[1] if known is not None and known.peak == "reserved" else errors[0]
         if family is not None and error < 0:
             worst[family] = max(worst.get(family, 0.0), -error / 100)
+    for (_, case, _, _), error in CAPACITY_ERRORS.items():
+        worst[FAMILY[case]] = max(worst.get(FAMILY[case], 0.0), -error / 100)
     assert {f: k.fraction for f, k in KNOWN_ERRORS.items()} == pytest.approx(worst, abs=1e-9)
     assert set(FAMILY) >= {case for _, case, _, _ in ERRORS} - {"mlp"}  # the mlp runs no family's kernels
 
@@ -298,3 +309,33 @@ def test_a_bitsandbytes_probe_is_estimated_to_fit_where_it_ran(truth: ModuleType
     replayed = truth.replay_row(_measured(BNB_CAPACITY, "probe")[index])
     assert replayed["error"] is None, replayed["error"]
     assert replayed["est_fits"] is (BNB_AT_FIT[index][2] == "ran"), BNB_AT_FIT[index]
+
+
+def test_a_4_bit_step_needs_the_capacity_recorded_for_it(truth: ModuleType) -> None:
+    """The QLoRA row that sets the 4-bit family's kept error: its GPU stream and its trace replayed at decreasing
+    capacities, the least each completes in; the shortfall is the recorded one (and it is no smaller today)."""
+    spec = importlib.util.spec_from_file_location("capacity_need", RESULTS.parent / "capacity_need.py")
+    assert spec is not None and spec.loader is not None
+    need = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(need)
+    (path, case, precision, batch), recorded = min(CAPACITY_ERRORS.items(), key=lambda kv: kv[1])
+    row = _row(path, case, precision, batch)
+    (snapshot,) = RESULTS.glob(f"snapshots-*/{row['snapshot']}")
+    measured = need.measure(snapshot, row, truth)
+    assert abs(100 * measured["shortfall"] - recorded) <= SLACK, measured["shortfall"]
+
+
+def test_fit_for_a_capped_qlora_keeps_the_4_bit_capacity_and_answers_the_batch_that_ran(truth: ModuleType) -> None:
+    """Capped at 32 GiB on an H200, the two-layer QLoRA base ran at 6 (fit's answer when it kept nothing); keeping
+    the 4-bit family's shortfall of capacity free, fit answers 6 still, and says why."""
+    import batchfit
+    from batchfit.planning.known_error import KNOWN_ERRORS
+
+    (row,) = [r for r in _measured(BNB_CAPACITY, "probe") if r["case"] == "llama31-8b-2l-qlora-qv-ckpt-s2048"]
+    device = truth._replay_device(row["gpu"], int(row["capacity"]), None, {})[0]
+    case = truth.BY_NAME[row["case"]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHFIT_KNOWN_ERRORS", "1")
+        fitted = batchfit.fit(case.make(), device, precision="bf16-true", checkpointing=case.blocks)
+    assert (fitted.max_batch_size, row["result"]) == (int(row["batch"]), "ran")
+    assert fitted.known_error == KNOWN_ERRORS["4-bit"].describe(fitted.known_error_bytes)
