@@ -20,6 +20,7 @@ from batchfit.memory.categories import Category
 from batchfit.memory.estimate import trace_for_device
 from batchfit.memory.trace.fake_step import MemoryTrace
 from batchfit.precision import policy_for
+from batchfit.third_party import torch_release
 
 B, D = 512, 64  # rows and width of the small models: B*D fp32 = 128 KiB
 F32, BF16, BOOL = 4, 2, 1  # bytes per element
@@ -221,6 +222,18 @@ def test_grouped_query_attention_in_fp32_runs_the_math_path_on_cuda_before_torch
     assert said == (["attention with fewer key/value heads than query heads, in float32, runs PyTorch's math path "
                      "on CUDA before torch 2.14 (no fused kernel takes it) and keeps its B x H x T x T scores; bf16 "
                      "autocast (or kbit_prep=false for QLoRA) keeps flash attention"] if math else [])
+
+
+@pytest.mark.skipif(torch_release() >= (2, 14), reason="fp32 grouped-query attention takes a fused kernel from 2.14")
+def test_the_math_path_adds_the_mask_to_the_scores_in_place_as_cuda_does() -> None:
+    """CUDA's ``_scaled_dot_product_attention_math`` adds the (causal) mask to the scores in place on plain tensors:
+    the B x H x T x T tensors a step makes are the scores and their softmax, per attention call, and no sum."""
+    t, _ = trace(Workload(model=lambda: GroupedQueryAttention(True), batch=lambda n: torch.randn(n, T, HQ * HEAD),
+                          loss=_sum_loss), 2, "A100-40GB", "fp32")  # fmt: skip
+    made = [t.op[s] for s in t.events if s >= 0 and t.nbytes[s] == 2 * HQ * T * T * F32]
+    assert sorted(set(made)) == ["aten._safe_softmax.default", "aten._softmax_backward_data.default",
+                                 "aten.bmm.default"]  # fmt: skip
+    assert made.count("aten._safe_softmax.default") == 2  # one attention call per step, two steps
 
 
 def test_grouped_query_attention_backward_makes_its_own_heads_gradients_and_a_larger_workspace() -> None:

@@ -238,7 +238,9 @@ def test_when_nothing_else_fits_the_plan_splits_the_model(tmp_path: Path) -> Non
         fit_estimate_at(wl, device, Setup(checkpointing=ck), sharded, 2, 1).device_total_bytes
         for ck in (None, "blocks") for sharded in (False, True)
     )  # fmt: skip
-    split = batchfit.estimate(wl, 1, device=device, parallel=ParallelLayout(2, sequence_parallel=True))
+    # the step the plan runs split: one item per group, accumulated over the two of the global batch
+    split = fit_estimate_at(wl, device, Setup(parallel=ParallelLayout(2, sequence_parallel=True),
+                                              accumulation_steps=2), False, 2, 1)  # fmt: skip
     assert split.device_total_bytes < whole
     capacity = (split.device_total_bytes + whole) // 2
     p = plan(wl, 2, device=device.with_overrides(total_bytes=capacity), gpus=2, precision="fp32")

@@ -31,8 +31,9 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    key/value heads than query heads (transformers passes it without a mask; a QLoRA step under peft's
    k-bit preparation runs its attention in fp32) materialises the B*H*T*T scores and probabilities in
    fp32: a real Llama-3.1-8B-shaped QLoRA step on an H200 (torch 2.11) took two 2 GiB transients per
-   layer at batch 4 x 2048 tokens, which the fused routing missed (reserved -15%). The trace runs
-   ``_scaled_dot_product_attention_math`` itself there, the same composite on both devices.
+   layer at batch 4 x 2048 tokens, which the fused routing missed (reserved -15%). The trace runs that
+   composite op for op (``_math_attention``), with the mask added to the scores in place: the kernel adds it
+   out of place only for subclass-like tensors, such as the trace's fakes.
    2b. The fused backward's workspace. A fused attention backward in fp16/bf16, after making the three
    gradients, takes one transient of ``B*H*T*(D + 1)*4 + 256`` bytes (B, H, T, D: the query's batch,
    heads, length and head size): an fp32 accumulator of the query's gradient and an fp32 sum per row.
@@ -113,6 +114,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -328,9 +330,7 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
             return generic()
         if _math_on_cuda(query, key, enable_gqa):
             _MATH_PATH.append(str(query.dtype).removeprefix("torch."))
-            return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, bool(is_causal), None, scale=scale, enable_gqa=True
-            )[0]
+            return _math_attention(query, key, value, attn_mask, dropout_p, bool(is_causal), scale)
         # Grouped-query attention goes in as it is: CUDA's kernels take fewer key/value heads natively, keeping
         # the key and value as given and making their gradients with their own head count, as the CPU kernel's
         # fake does (NOTE, item 2c).
@@ -350,6 +350,33 @@ def _sdpa_like_cuda(orig: Callable) -> Callable:
 
     scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
     return scaled_dot_product_attention
+
+
+def _math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                    dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """``_scaled_dot_product_attention_math`` with grouped-query attention, op for op as CUDA runs it on plain tensors
+    (``aten/src/ATen/native/transformers/attention.cpp``; NOTE, item 2a). The mask is added to the scores in place:
+    the kernel adds it out of place only where a tensor is subclass-like (``areAnyTensorSubclassLike``), which the
+    trace's fake tensors are, and that would hold one more B x H x T x T tensor than the GPU does."""
+    origin = query.dtype
+    low = (torch.float16, torch.bfloat16)
+    q, k, v = (t.float() if t.dtype in low and not torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp() else t
+               for t in (query, key, value))  # fmt: skip
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    q = q * (-factor if scale is not None and scale < 0 else factor)
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril() if is_causal else attn_mask
+    if mask is not None and mask.dtype == torch.bool:  # convert_boolean_attn_mask
+        mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+    if k.shape[-3] != q.shape[-3]:  # pre_process_group_query_attention_input
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    attn = torch.matmul(q, k.transpose(-2, -1) * factor)
+    if mask is not None:
+        attn.add_(mask)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.dropout(attn, dropout_p, True)
+    return torch.matmul(attn, v).to(origin)
 
 
 def attention_backward_workspace(args: tuple) -> int:
