@@ -63,7 +63,8 @@ CAPACITY_ERRORS = {
 of the least capacity each completes in, in % (``benchmarks/capacity_need.py``)."""
 FP32_GQA = {"llama31-8b-2l-qlora-qv-ckpt-s2048"}
 """Rows whose step runs grouped-query attention in fp32 (a QLoRA base under peft's k-bit preparation): CUDA took the
-math path for it before torch 2.14 and a fused kernel from 2.14 on, and the estimate follows the installed torch."""
+math path for it before torch 2.14 and a fused kernel from 2.14 on, and the estimate follows the installed torch
+(there, the row's reserved memory is an upper bound)."""
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -103,13 +104,15 @@ def test_a_measured_step_is_estimated_no_worse_than_recorded(truth: ModuleType, 
     from batchfit.third_party import torch_release
 
     recorded = _row(path, case, precision, batch)
-    if case in FP32_GQA and torch_release() >= (2, 14) > _release(recorded["torch"]):
-        pytest.skip(f"recorded on torch {recorded['torch']}, whose CUDA ran fp32 grouped-query attention on the math "
-                    "path; this torch's memory-efficient kernel takes it (memory/kernels/cuda.py, item 2a)")
     row = truth.replay_row(recorded)
     assert row["error"] is None, row["error"]
     allocated, reserved = ERRORS[path, case, precision, batch]
     assert abs(100 * row["err_allocated"]) <= abs(allocated) + SLACK, (row["err_allocated"], allocated)
+    if case in FP32_GQA and torch_release() >= (2, 14) > _release(recorded["torch"]):
+        # recorded where CUDA ran fp32 grouped-query attention on the math path; this torch's memory-efficient
+        # kernel takes it (memory/kernels/cuda.py, item 2a), so the step reserves less than the row measured
+        assert 100 * row["err_reserved"] < reserved - SLACK, (row["err_reserved"], reserved)
+        return
     assert abs(100 * row["err_reserved"]) <= abs(reserved) + SLACK, (row["err_reserved"], reserved)
 
 
