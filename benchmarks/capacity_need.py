@@ -32,6 +32,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from stream_diff import real_calls  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 MiB = 2**20
 _NAME = re.compile(r"snapshot-(.+)-(fp32|bf16|fp16|bf16-true)-(\d+)(?:-cap(\d+))?\.pickle")
@@ -57,12 +61,6 @@ def recorded_rows() -> dict[str, dict[str, str]]:
     return rows
 
 
-def gpu_calls(snapshot: dict[str, Any]) -> list[tuple[bool, int, int]]:
-    """The GPU stream's allocations and frees as ``replay`` takes them (keyed by address)."""
-    return [(e["action"] == "alloc", e["addr"], int(e["size"])) for e in snapshot["device_traces"][0]
-            if e.get("action") in ("alloc", "free_completed") and e.get("size")]  # fmt: skip
-
-
 def completes(calls: list[tuple[bool, int, int]], capacity: int) -> bool:
     """Whether ``calls`` finish within ``capacity`` bytes in both address orders."""
     from batchfit.memory.allocator.caching import replay
@@ -76,8 +74,9 @@ def smallest_capacity(calls: list[tuple[bool, int, int]]) -> int:
     their unbounded reserved peak, which always suffices."""
     from batchfit.memory.allocator.caching import replay
 
-    lo = -(-replay(calls).peak_allocated_bytes // (2 * MiB)) - 1  # below the allocated peak: never completes
-    hi = max(replay(calls, descending_addresses=d).peak_reserved_bytes for d in (False, True)) // (2 * MiB) + 1
+    unbounded = [replay(calls, descending_addresses=d) for d in (False, True)]
+    lo = -(-unbounded[0].peak_allocated_bytes // (2 * MiB)) - 1  # below the allocated peak: never completes
+    hi = max(r.peak_reserved_bytes for r in unbounded) // (2 * MiB) + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if completes(calls, mid * 2 * MiB) else (mid, hi)
@@ -102,7 +101,7 @@ def measure(path: Path, row: dict[str, str], truth: Any) -> dict[str, Any] | Non
     c = truth.BY_NAME[case]
     workload = c.make()
     trace = trace_for_device(workload, batch, device, policy, checkpoint_classes(c.blocks, workload.checkpoint_blocks))
-    gpu, traced = smallest_capacity(gpu_calls(load_snapshot(path))), smallest_capacity(list(trace.allocations()))
+    gpu, traced = smallest_capacity(real_calls(load_snapshot(path))), smallest_capacity(list(trace.allocations()))
     return {"case": case, "precision": precision, "batch": batch, "cap": named.group(4), "gpu": gpu, "trace": traced,
             "shortfall": (traced - gpu) / gpu, "families": sorted(families(trace))}  # fmt: skip
 

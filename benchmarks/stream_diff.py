@@ -116,6 +116,12 @@ Request = tuple[bool, Any, int]
 """``(is_alloc, key, bytes)``: one allocator call of either stream (the key pairs a free with its alloc)."""
 
 
+def real_calls(snapshot: dict[str, Any], device: int = 0) -> list[Request]:
+    """A real stream's allocations and frees as ``replay`` takes them, keyed by address."""
+    return [(e["action"] == "alloc", e["addr"], int(e["size"])) for e in snapshot["device_traces"][device]
+            if e.get("action") in ("alloc", "free_completed") and e.get("size")]  # fmt: skip
+
+
 def real_workspaces(snapshot: dict[str, Any], trace: Any, label: str = WORKSPACE) -> tuple[dict[int, int], int]:
     """The GPU's size of each workspace the trace took (storage id -> bytes; 0 where the GPU took none).
 
@@ -131,8 +137,7 @@ def real_workspaces(snapshot: dict[str, Any], trace: Any, label: str = WORKSPACE
         keep the model's sizes). Transients of the GPU's where the trace has none (a workspace the model
         does not take, a kernel it does not know) are left out: the trace has no request to resize.
     """
-    real = [(e["action"] == "alloc", e["addr"], int(e["size"])) for e in snapshot["device_traces"][0]
-            if e.get("action") in ("alloc", "free_completed") and e.get("size")]  # fmt: skip
+    real = real_calls(snapshot)
     model = [(a, sid, n) for a, sid, n in _gpu_order(trace) if n > 0]
     ours = [_split(real), _split(model)]
     matcher = difflib.SequenceMatcher(None, ours[0][0], ours[1][0], autojunk=False)
