@@ -761,7 +761,12 @@ def replay(path: Path, profile_path: str | None, cases: set[str] | None = None, 
     """The step and probe rows of a measured CSV with their estimates made again now; ``cases``: only these
     cases' rows; ``refit``: the fit rows' answers made again too (else as measured)."""
     with path.open(newline="") as f:
-        measured = [r for r in csv.DictReader(f) if cases is None or r["case"] in cases]
+        reader = csv.DictReader(f)
+        missing = [k for k in ("kind", "case", "precision", "batch", "gpu") if k not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path} has no column {', '.join(missing)}: pass a CSV this script wrote "
+                             f"(benchmarks/results/gpu_truth-*.csv), which names the GPU of every row")  # fmt: skip
+        measured = [r for r in reader if cases is None or r["case"] in cases]
     devices: dict[tuple[str, Any], tuple[Any, Any]] = {}  # per GPU and cap: the catalog's device, the profiled one
     workloads: dict[str, Any] = {}  # per case: one workload for all its rows, as a worker has
     rows = [replay_row(old, profile_path, devices, workloads) for old in measured]
@@ -859,7 +864,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replay:
         cases = set(args.cases.split(",")) if args.cases else None
-        rows = [row for path in args.replay for row in replay(Path(path), args.profile, cases, refit=True)]
+        try:
+            rows = [row for path in args.replay for row in replay(Path(path), args.profile, cases, refit=True)]
+        except (OSError, ValueError) as e:
+            print(f"gpu_truth: {e}")
+            return 2
         return 0 if report(rows, args.profile or "none (catalog defaults only)") else 1
     if not torch.cuda.is_available():
         print("gpu_truth: no CUDA GPU is visible here; run it on a machine with one (nothing was measured)")

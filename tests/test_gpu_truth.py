@@ -30,6 +30,17 @@ def test_without_a_gpu_it_says_so_in_one_line(truth: ModuleType, capsys, monkeyp
     assert out.count("\n") == 1 and out.startswith("gpu_truth: no CUDA GPU is visible here")
 
 
+def test_a_csv_that_names_no_gpu_is_refused_in_one_line(truth: ModuleType, capsys, tmp_path: Path) -> None:
+    """A CSV written another way (``../shared/gpu-truth``'s has no ``gpu`` column) says what to pass, in one line."""
+    path = tmp_path / "other.csv"
+    path.write_text("kind,case,precision,batch,real_allocated\nstep,gpt2-small,bf16,8,1\n")
+    assert truth.main(["--replay", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "has no column gpu" in out and "benchmarks/results/gpu_truth-" in out
+    assert truth.main(["--replay", str(tmp_path / "absent.csv")]) == 2
+    assert capsys.readouterr().out.count("\n") == 1
+
+
 def _row(err_reserved: float | None, **kw) -> dict:
     return {"kind": "step", "case": "c", "err_reserved": err_reserved, **kw}
 

@@ -361,10 +361,11 @@ class Tracer:
             if self._reducing and sid is not None:  # a view of FSDP2's reduce-scatter output (NOTE below)
                 self._reducing[-1].setdefault(sid, made_in)  # handed over once, when foreach_reduce returns
             else:
-                # Copied by AccumulateGrad: the newest storage, made by the node running this hook (both
-                # node wrappers are alive, the tracker holding the newest one's, so equal ids are one node).
+                # Copied by AccumulateGrad: the newest storage, made by the node running this hook
+                # (NOTE [ Autograd node tokens ] in memory/trace/tracker.py).
                 node = torch._C._current_autograd_node()
-                copied = sid == tracker._next_id - 1 and node is not None and tracker._born_in.get(sid) == id(node)
+                copied = (sid == tracker._next_id - 1 and node is not None
+                          and tracker._born_in.get(sid) == tracker.node_token(node))
                 # Dense and alone in its storage: a gradient kept as a view of a larger backward buffer
                 # (a parameter concatenated with activations) frees with the buffer, not at hand-over.
                 dense = (

@@ -177,7 +177,9 @@ class StorageTracker(TorchDispatchMode):
         self._refs: dict[int, Any] = {}  # storage id -> weak reference to its storage
         self.current_node: Any = None
         """The autograd node running when the storage being registered was made (None in forward)."""
-        self._born_in: dict[int, int] = {}  # storage id -> id of the autograd node that made it
+        self._born_in: dict[int, int] = {}  # storage id -> the token (``node_token``) of the node that made it
+        self._node: Any = None  # the node wrapper the latest token stands for, held (NOTE [ Autograd node tokens ])
+        self._tokens = 0
         self._zeros: set[int] = set()  # storage ids made by a zeros-like factory
         self._accumulation = _accumulation_counts()
 
@@ -220,12 +222,32 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes[sid] = nbytes
         node = self.current_node = torch._C._current_autograd_node()
         if node is not None:
-            self._born_in[sid] = id(node)
+            self._born_in[sid] = self.node_token(node)
         # A weak reference with a callback (cheaper than weakref.finalize, which also keeps a global
         # registry); the reference itself is kept here until its storage dies.
         self._refs[sid] = weakref.ref(st, partial(self._freed, key, sid))
         self._on_alloc(sid, nbytes)
         return sid
+
+    # NOTE [ Autograd node tokens ]
+    # Which autograd node made a storage decides whether an ``add`` is the engine accumulating gradients
+    # (``_engine_accumulation``) and whether ``AccumulateGrad`` copied a gradient. ``_current_autograd_node()``
+    # hands out a Python wrapper of the running C++ node, alive only while something references it: the
+    # wrapper's ``id`` is a memory address, which a later node's wrapper may take once an earlier one is
+    # freed. Compared by ``id``, a storage of an earlier node could pass for one of the running node, at
+    # random from process to process, and the engine's in-place addition be traced out of place in some
+    # blocks and not in others (a depth cut that then found two middle blocks unequal). So each node
+    # gets a number instead, counted up whenever the running node's wrapper is another object than the
+    # one before; that wrapper is held until the next node runs, so that its own calls keep returning it.
+    def node_token(self, node: Any) -> int | None:
+        """A number for the running autograd node ``node`` (a ``_current_autograd_node()``), the same for every
+        call while it runs and never another node's (NOTE [ Autograd node tokens ]); None for None."""
+        if node is None:
+            return None
+        if node is not self._node:
+            self._node = node
+            self._tokens += 1
+        return self._tokens
 
     def resized(self, storage: Any, nbytes: int) -> None:
         """``storage`` (tracked or not) now holds ``nbytes``: its old bytes are freed and new ones allocated.
@@ -283,9 +305,10 @@ class StorageTracker(TorchDispatchMode):
         if old.shape != new.shape or old.dtype != new.dtype or _use_counts(old) != self._accumulation:
             return None
         old_sid, new_sid = self.storage_id(old), self.storage_id(new)
-        if old_sid is None or new_sid is None or self._born_in.get(new_sid) != id(node):
+        token = self.node_token(node)
+        if old_sid is None or new_sid is None or self._born_in.get(new_sid) != token:
             return None
-        if self._born_in.get(old_sid) in (None, id(node)) or not is_non_overlapping_and_dense(old):
+        if self._born_in.get(old_sid) in (None, token) or not is_non_overlapping_and_dense(old):
             return None
         return old.add_(new)
 
