@@ -57,12 +57,53 @@ def _autocast_on(t: torch.Tensor) -> bool:
 
 def _addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` with no temporary, as CUDA's ``addmm`` (with an fp32 ``out_dtype`` for 16-bit
-    operands) does; a CPU kernel that lacks the mixed-dtype form adds a temporary instead."""
+    operands) does; a CPU kernel that lacks the mixed-dtype form adds a temporary instead.
+
+    Some torch releases (2.11) have CUDA's mixed-dtype kernel (``addmm.dtype_out``) but no fake kernel for it
+    (``_fake_dtype_addmm``): the step the trace stands for writes ``out`` in place, allocating nothing, and so
+    does the trace then: ``out`` keeps its storage and only its value is no longer known."""
+    mixed = out.dtype != a.dtype
+    if mixed and not _fake_dtype_addmm():
+        if hasattr(torch.ops.aten.addmm, "dtype_out"):
+            from ..trace.values import forget
+
+            forget(out)
+        else:
+            out += torch.mm(a, b).to(out.dtype)
+        return
     try:
-        kwargs = {"out_dtype": out.dtype} if out.dtype != a.dtype else {}
-        torch.addmm(out, a, b, out=out, **kwargs)
+        torch.addmm(out, a, b, out=out, **({"out_dtype": out.dtype} if mixed else {}))
     except (NotImplementedError, RuntimeError):
         out += torch.mm(a, b).to(out.dtype)
+
+
+_FAKE_DTYPE_ADDMM: list[bool] = []
+
+
+def _fake_dtype_addmm() -> bool:
+    """Whether fake tensors run ``addmm``'s ``out_dtype`` form, found once per process. torch 2.11's fake mode
+    hands it to the plain ``addmm`` decomposition, ``out_dtype`` landing where ``beta`` goes (a ``TypeError``,
+    which the fake mode also logs: silenced for this probe); a torch without the form refuses the keyword."""
+    if not _FAKE_DTYPE_ADDMM:
+        import logging
+
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        log = logging.getLogger("torch._subclasses.fake_tensor")
+        level, log.level = log.level, logging.CRITICAL
+        try:
+            with _disable_current_modes(), FakeTensorMode():
+                out = torch.empty(2, 2)
+                a, b = torch.empty(2, 3, dtype=torch.bfloat16), torch.empty(3, 2, dtype=torch.bfloat16)
+                torch.addmm(out, a, b, out=out, out_dtype=torch.float32)
+            works = True
+        except Exception:  # noqa: BLE001 - any refusal: the form is not traced on this torch
+            works = False
+        finally:
+            log.setLevel(level)
+        _FAKE_DTYPE_ADDMM.append(works)
+    return _FAKE_DTYPE_ADDMM[0]
 
 
 # NOTE [ Liger's fused linear cross-entropy ]
