@@ -91,7 +91,8 @@ def _fake_dtype_addmm() -> bool:
         from torch.utils._python_dispatch import _disable_current_modes
 
         log = logging.getLogger("torch._subclasses.fake_tensor")
-        level, log.level = log.level, logging.CRITICAL
+        level = log.level
+        log.setLevel(logging.CRITICAL)
         try:
             with _disable_current_modes(), FakeTensorMode():
                 out = torch.empty(2, 2)
