@@ -314,6 +314,8 @@ WRITTEN = {  # setting, layers: the blocks the synthesis writes (NOTE [ A stack 
     "2+selective": ("gpt", 8, 6),  # the last 6 selectively
     "5+selective": ("llama", 8, 5),  # transformers' own switch, each layer's function set
     4: ("gpt", 8, 0),  # two runs of 4: neither is long enough to cut, the step is traced whole and says why
+    7: ("gpt", 12, 12),  # runs of 7 and 5, each cut as a stack of its own in the one container
+    "6+selective": ("gpt", 12, 12),  # the same with the rest selective
 }
 
 

@@ -178,7 +178,7 @@ def test_a_quantised_model_is_planned_on_meta_and_built_without_the_blocks_the_c
     wl = workload_from_config(config, task="causal-lm", seq_len=16,
                               lora=parse_lora(f"r=4,quant={quant},targets=all-linear"))  # fmt: skip
     plan = plan_cut(wl, torch.bfloat16)
-    assert plan is not None and [dataclasses.astuple(s)[1:] for s in plan.stacks] == [(6, 0, 6, 1)]
+    assert plan is not None and [dataclasses.astuple(s)[1:] for s in plan.stacks] == [(6, 0, 6, 1, 0)]
     assert [sorted(ordinals) for _, ordinals in plan.skip] == [[3, 4]]  # blocks 3 and 4 are written, not built
     written = batchfit.estimate(wl, 2, device="A100-80GB", precision="bf16-true")
     assert not any("full depth" in n for n in written.notes)

@@ -103,8 +103,8 @@ class DepthCut:
         self.declined = False
 
     def prepare(self, workload: Workload, param_dtype: Any, classes: tuple[type, ...] = ()) -> None:
-        """Know the model's stacks before it is built, where a build on ``meta`` shows them (each narrowed to
-        blocks ``classes`` checkpoint alike where some blocks are selected: NOTE [ A stack some of whose blocks
+        """Know the model's stacks before it is built, where a build on ``meta`` shows them (each split into the
+        runs of blocks ``classes`` checkpoint alike where some blocks are selected: NOTE [ A stack some of whose blocks
         are checkpointed ] in ``memory/synthesis/stackplan.py``, which needs that build)."""
         self.classes = classes
         self.plan = plan_cut(workload, param_dtype, classes)
@@ -148,7 +148,7 @@ class DepthCut:
         prefixes = {}
         for s, stack in enumerate(self.stacks):
             for b in range(stack.kept):
-                index = stack.start + b
+                index = stack.cut_start + b
                 prefixes[f"{stack.path}.{index}" if stack.path else str(index)] = (s, b)
         modules, tensors = block_labels(model, self.root, prefixes)
         self.recorder = BlockRecorder(modules, tensors)

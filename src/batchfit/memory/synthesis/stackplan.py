@@ -16,6 +16,7 @@ follow it (a constructor that reads its blocks' attributes, a meta build that fa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ class CutPlan:
     reasons: tuple[str, ...]
     skip: tuple[tuple[type, frozenset[int]], ...]
     """Per block class: the ordinals (among its instances, in construction order) of dropped blocks."""
-    kept: tuple[tuple[Any, ...], ...]
-    """Per stack: the signatures of the blocks the cut keeps (``stacks.block_signatures``)."""
+    kept: tuple[tuple[str, tuple[Any, ...]], ...]
+    """Per container of stacks: its path and the signatures of the blocks the cut keeps
+    (``stacks.block_signatures``)."""
 
     @contextlib.contextmanager
     def skipping(self) -> Iterator[None]:
@@ -69,21 +71,27 @@ class CutPlan:
 
     def built_as_planned(self, model: nn.Module) -> bool:
         """Whether ``model`` holds placeholders exactly where dropped blocks are, and kept blocks as planned."""
-        for stack, signatures in zip(self.stacks, self.kept):
+        for path, signatures in self.kept:
             try:
-                container = model.get_submodule(stack.path) if stack.path else model
+                container = model.get_submodule(path) if path else model
             except AttributeError:
                 return False
             blocks = list(container._modules.values())
-            if len(blocks) != stack.size:
+            stacks = [st for st in self.stacks if st.path == path]
+            if len(blocks) != stacks[0].size:
                 return False
-            dropped = range(stack.start + stack.written_from, stack.start + stack.written_from + stack.inserted)
+            dropped = _dropped(stacks)
             kept = [b for i, b in enumerate(blocks) if i not in dropped]
             if any(_is_placeholder(b) for b in kept) or not all(_is_placeholder(blocks[i]) for i in dropped):
                 return False
             if block_signatures(kept) != signatures:
                 return False
         return True
+
+
+def _dropped(stacks: list[Stack]) -> set[int]:
+    """Container indices of the blocks the cut of ``stacks`` (of one container) drops."""
+    return {i for st in stacks for i in range(st.start + st.written_from, st.start + st.written_from + st.inserted)}
 
 
 def _is_placeholder(module: Any) -> bool:
@@ -177,14 +185,16 @@ def _selection(classes: tuple[type, ...]) -> str:
 # not at all (or selectively): one stack of like blocks becomes two runs, each periodic, and a cut that keeps
 # blocks of both runs in its middle periods would write the wrong blocks. The blocks are numbered as
 # ``apply_checkpointing`` numbers them, on the meta build (the same call, on a throwaway model), and each
-# stack is narrowed to its longest part, in whole periods, whose blocks are checkpointed alike; the blocks
-# of the stack outside it are traced as the blocks around a stack are. For the first 78 of a 80-layer
-# model's blocks, the cut keeps 4 of the 78 and traces the 2 after them. A part too short to cut leaves the
-# stack uncut.
-def _narrowed(stack: Stack, marks: list[Any]) -> Stack | None:
-    """The longest part of ``stack``'s repeating blocks, in whole periods, whose ``marks`` are equal and that is
-    still worth cutting (None: none is)."""
-    best = None
+# stack is split into its parts, in whole periods, whose blocks are checkpointed alike: every part long
+# enough to cut is cut as a stack of its own (one container then holds two stacks, the later one's indices in
+# the cut container shifted by what the earlier one's cut dropped: ``Stack.offset``), and the blocks of a part
+# too short are traced as the blocks around a stack are. For the first 71 of a 80-layer model's blocks
+# checkpointed and the other 9 selectively, the cut keeps 4 of the 71 and 4 of the 9; for the first 78, it
+# keeps 4 of the 78 and traces the 2 after them. A stack with no part long enough is left uncut.
+def _alike_parts(stack: Stack, marks: list[Any]) -> list[Stack]:
+    """The parts of ``stack``'s repeating blocks, in whole periods, whose ``marks`` are equal and that are still
+    worth cutting, in order (empty: none is)."""
+    parts = []
     end, i = stack.start + stack.length, stack.start
     while i < end:
         j = i
@@ -192,29 +202,28 @@ def _narrowed(stack: Stack, marks: list[Any]) -> Stack | None:
             j += 1
         first = stack.start + -(-(i - stack.start) // stack.period) * stack.period
         part = Stack(stack.path, stack.size, first, max(0, (j - first) // stack.period * stack.period), stack.period)
-        if part.inserted >= stack.period and (best is None or part.length > best.length):
-            best = part
+        if part.inserted >= stack.period:
+            parts.append(dataclasses.replace(part, offset=sum(p.inserted for p in parts)))
         i = j
-    return best
+    return parts
 
 
 def _checkpointed_alike(model: nn.Module, stacks: list[Stack], classes: tuple[type, ...],
                         reasons: list[str]) -> list[Stack]:  # fmt: skip
-    """``stacks`` narrowed to blocks ``classes`` checkpoint alike (NOTE above); a stack with no such part worth
-    cutting is left out, and ``reasons`` says so."""
+    """``stacks`` split into the parts of blocks ``classes`` checkpoint alike (NOTE above); a stack with no such
+    part worth cutting is left out, and ``reasons`` says so."""
     whole: dict[int, bool] = {}
     apply_checkpointing(model, classes, whole)
-    narrowed = []
+    parts_of_all = []
     for stack in stacks:
         container = model.get_submodule(stack.path) if stack.path else model
         marks = [tuple(whole[id(m)] for m in block.modules() if id(m) in whole) for block in container.children()]
-        part = _narrowed(stack, marks)
-        if part is None:
+        parts = _alike_parts(stack, marks)
+        if not parts:
             reasons.append(f"{stack.path or 'the model'}: its checkpointed blocks and the others make no run long "
                            f"enough to cut")  # fmt: skip
-        else:
-            narrowed.append(part)
-    return narrowed
+        parts_of_all.extend(parts)
+    return parts_of_all
 
 
 def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[type, ...] = ()) -> CutPlan | None:
@@ -250,15 +259,15 @@ def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[ty
             return None
     skip: dict[type, set[int]] = {}
     kept = []
-    for stack in stacks:
-        blocks, first = built[stack.path], stack.start + stack.written_from
-        for block in blocks[first : first + stack.inserted]:
-            cls, n = order.get(id(block), (None, -1))
-            if cls is not type(block):
+    for path in dict.fromkeys(st.path for st in stacks):  # each container once, in order
+        blocks, dropped = built[path], _dropped([st for st in stacks if st.path == path])
+        for i in sorted(dropped):
+            cls, n = order.get(id(blocks[i]), (None, -1))
+            if cls is not type(blocks[i]):
                 return None
             skip.setdefault(cls, set()).add(n)
-        if stack.path in signatures:
-            kept.append(signatures[stack.path][:first] + signatures[stack.path][first + stack.inserted :])
+        if path in signatures:
+            kept.append((path, tuple(sig for i, sig in enumerate(signatures[path]) if i not in dropped)))
         else:
-            kept.append(block_signatures(blocks[:first] + blocks[first + stack.inserted :]))
+            kept.append((path, block_signatures([b for i, b in enumerate(blocks) if i not in dropped])))
     return CutPlan(tuple(stacks), tuple(reasons), tuple((c, frozenset(n)) for c, n in skip.items()), tuple(kept))

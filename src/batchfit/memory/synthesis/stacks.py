@@ -56,6 +56,14 @@ class Stack:
     length: int
     """Repeating blocks (a multiple of ``period``)."""
     period: int
+    offset: int = 0
+    """Blocks the cut drops before this stack in its container: another stack's, where one container holds two
+    runs cut apart (NOTE [ A stack some of whose blocks are checkpointed ] in ``memory/synthesis/stackplan.py``)."""
+
+    @property
+    def cut_start(self) -> int:
+        """Index of the first repeating block in the cut container."""
+        return self.start - self.offset
 
     @property
     def kept(self) -> int:
@@ -88,10 +96,10 @@ class Stack:
         blocks, the head reads the last block's output and the one before it)."""
         return kept if kept < 2 * self.period else kept + self.inserted
 
-    def full_index(self, shallow: int) -> int:
-        """The container index, in the full model, of the cut container's block ``shallow`` as the
-        model's other parts see it (``seen_from_outside``; the blocks after the repeating ones too)."""
-        return shallow + self.inserted if shallow >= self.start + 2 * self.period else shallow
+    def inserted_before(self, shallow: int) -> int:
+        """Blocks this stack's cut dropped before the cut container's block ``shallow`` as the model's other
+        parts see it (``seen_from_outside``; the blocks after the repeating ones too)."""
+        return self.inserted if shallow >= self.cut_start + 2 * self.period else 0
 
 
 def _read(module: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
@@ -267,7 +275,7 @@ def cut_stacks(model: nn.Module, stacks: list[Stack]) -> list[nn.Module]:
     """Keep the first three and the last period of each stack's repeating blocks (and the blocks around
     them); returns the blocks cut away, each of which now raises ``BlockCalledAfterCut`` when called."""
     dropped: list[nn.Module] = []
-    for stack in stacks:
+    for stack in sorted(stacks, key=lambda st: -st.start):  # a container's later stack first: indices stay full
         container = model.get_submodule(stack.path) if stack.path else model
         blocks = list(container._modules.values())
         cut = stack.start + stack.written_from

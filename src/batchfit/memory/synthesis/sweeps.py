@@ -65,17 +65,20 @@ class BlockNames:
         self._parsed: dict[str, tuple[int, int, str] | None] = {}
 
     def parse(self, name: str) -> tuple[int, int, str] | None:
-        """``(stack, container index in the cut model, rest of the name)`` of a module in a stack's container."""
+        """``(stack, container index in the cut model, rest of the name)`` of a module in a stack's container (of
+        two stacks in one container, the one whose kept blocks hold it, else the first)."""
         found = self._parsed.get(name, ())
         if found != ():
             return found  # type: ignore[return-value]
         out = None
         for s, prefix in enumerate(self.prefixes):
+            if out is not None and prefix != self.prefixes[out[0]]:
+                continue
             if name.startswith(prefix):
                 index, dot, rest = name[len(prefix) :].partition(".")
-                if index.isdigit():
+                st = self.stacks[s]
+                if index.isdigit() and (out is None or 0 <= int(index) - st.cut_start < st.kept):
                     out = (s, int(index), dot + rest)
-                    break
         self._parsed[name] = out
         return out
 
@@ -85,7 +88,7 @@ class BlockNames:
         if parsed is None:
             return None
         s, index, rest = parsed
-        b = index - self.stacks[s].start
+        b = index - self.stacks[s].cut_start
         return (s, b, rest) if 0 <= b < self.stacks[s].kept else None
 
     def relative(self, name: str, stack: int, block: int) -> Any:
@@ -114,10 +117,11 @@ class BlockNames:
             return name, None, ""
         s, index, rest = parsed
         st = self.stacks[s]
-        b = index - st.start
+        b = index - st.cut_start
         if s == stack and 0 <= b < st.kept:
             return self.prefixes[s], st.start + b - block, rest
-        return f"{self.prefixes[s]}{st.full_index(index)}{rest}", None, ""
+        full = index + sum(x.inserted_before(index) for x in self.stacks if x.path == st.path)
+        return f"{self.prefixes[s]}{full}{rest}", None, ""
 
 
 def frees_in_order(trace: MemoryTrace, labels: Labels) -> tuple[MemoryTrace, Labels]:
