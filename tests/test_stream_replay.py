@@ -251,6 +251,26 @@ def test_a_traced_step_exported_as_a_snapshot_replays_exactly(gpt_trace, version
     assert len(r.real_ooms) == len(r.model_ooms) == bounded.num_ooms
 
 
+@pytest.mark.parametrize("descending", [False, True])
+def test_a_trace_replays_alike_from_its_own_event_list_and_from_tuples(gpt_trace, descending: bool) -> None:
+    """``StorageEvents`` (the trace's event list, no tuple per event) replays as ``allocations()`` does: unlimited,
+    at a capacity that releases the cache and retries, at one that runs out; a paged storage left out; a free of
+    nothing refused."""
+    from batchfit.memory.allocator.caching import StorageEvents, replay
+
+    timeline = StorageEvents(gpt_trace.events, gpt_trace.nbytes, gpt_trace.paged)
+    free = replay(gpt_trace.allocations())
+    for capacity in (None, free.peak_reserved_bytes - 2 * MiB, free.peak_allocated_bytes):
+        tuples = replay(gpt_trace.allocations(), capacity_bytes=capacity, descending_addresses=descending)
+        assert replay(timeline, capacity_bytes=capacity, descending_addresses=descending) == tuples
+    assert tuples.oom_at_event is not None  # the last capacity ran out
+    biggest = max(gpt_trace.nbytes, key=gpt_trace.nbytes.get)
+    without = replay(StorageEvents(gpt_trace.events, gpt_trace.nbytes, {biggest}))
+    assert without.peak_allocated_bytes < free.peak_allocated_bytes
+    with pytest.raises(ConfigError, match="free of key 7, which has no live allocation"):
+        replay(StorageEvents([~7], {7: 512}))
+
+
 def test_the_recording_torch_is_read_from_the_snapshot_when_written_there() -> None:
     lowest = _equal_blocks_in_two_segments(C)
     assert replay_snapshot({**lowest, "recorded_with": {"torch": "2.11.0+cu130"}}).exact

@@ -25,7 +25,7 @@ from ..activation_checkpointing import Selective, SelectiveRest, selected_blocks
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
-from .allocator.caching import AllocatorStats, replay, round_size
+from .allocator.caching import AllocatorStats, StorageEvents, replay, round_size
 from .analytic import analytic_estimate
 from .cache import CACHE, Uncacheable, trace_key
 from .categories import ORDER, Category
@@ -213,7 +213,7 @@ def estimate_from_trace(
         if limit is not None and reading.peak_bytes <= limit:
             stats = _bounded_replay(trace, limit, expandable_segments)
         if stats is None:
-            stats = replay(trace.allocations(), expandable_segments=expandable_segments)
+            stats = replay(_storage_events(trace), expandable_segments=expandable_segments)
         reserved, retries, blocks = stats.peak_reserved_bytes, stats.num_alloc_retries, stats.peak_allocated_bytes
     paged = paged_bytes(trace)
     phase, step = trace.phase_at(reading.event_index)
@@ -249,12 +249,17 @@ def estimate_from_trace(
     )
 
 
+def _storage_events(trace: MemoryTrace) -> StorageEvents:
+    """``trace.allocations()`` as ``replay`` takes it without a tuple per event."""
+    return StorageEvents(trace.events, trace.nbytes, trace.paged)
+
+
 def _bounded_replay(trace: MemoryTrace, limit: int, expandable_segments: bool) -> AllocatorStats | None:
     """The trace replayed with the capacity in both orders of segment addresses, the one that reserved more;
     None when either runs out of memory (NOTE [ Fits whatever addresses the driver gives ])."""
     runs = []
     for descending in (False, True):
-        stats = replay(trace.allocations(), capacity_bytes=limit, expandable_segments=expandable_segments,
+        stats = replay(_storage_events(trace), capacity_bytes=limit, expandable_segments=expandable_segments,
                        descending_addresses=descending)  # fmt: skip
         if stats.oom_at_event is not None:
             return None
