@@ -573,11 +573,12 @@ def test_an_estimate_fits_only_where_both_orders_of_addresses_run() -> None:
     from batchfit.memory.estimate import _bounded_replay
 
     class Stream:
-        def __init__(self, events: list[tuple[bool, int, int]]) -> None:
-            self.events = events
+        """A trace's timeline as ``MemoryTrace`` keeps it: storage ids, ``~sid`` for a free, sizes by id."""
 
-        def allocations(self) -> list[tuple[bool, int, int]]:
-            return self.events
+        def __init__(self, events: list[tuple[bool, int, int]]) -> None:
+            self.events = [key if is_alloc else ~key for is_alloc, key, _ in events]
+            self.nbytes = {key: nbytes for is_alloc, key, nbytes in events if is_alloc}
+            self.paged: set[int] = set()
 
     s, head, g = 64 * MiB, 20 * MiB, 100 * MiB
     events = _order_decides(s, head, g)
