@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -63,48 +64,43 @@ def _addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     (``_fake_dtype_addmm``): the step the trace stands for writes ``out`` in place, allocating nothing, and so
     does the trace then: ``out`` keeps its storage and only its value is no longer known."""
     mixed = out.dtype != a.dtype
-    if mixed and not _fake_dtype_addmm():
-        if hasattr(torch.ops.aten.addmm, "dtype_out"):
-            from ..trace.values import forget
+    if not mixed or _fake_dtype_addmm():
+        try:
+            torch.addmm(out, a, b, out=out, **({"out_dtype": out.dtype} if mixed else {}))
+            return
+        except (NotImplementedError, RuntimeError):
+            pass  # the kernel lacks the form: the temporary below
+    elif hasattr(torch.ops.aten.addmm, "dtype_out"):
+        from ..trace.values import forget
 
-            forget(out)
-        else:
-            out += torch.mm(a, b).to(out.dtype)
+        forget(out)
         return
-    try:
-        torch.addmm(out, a, b, out=out, **({"out_dtype": out.dtype} if mixed else {}))
-    except (NotImplementedError, RuntimeError):
-        out += torch.mm(a, b).to(out.dtype)
+    out += torch.mm(a, b).to(out.dtype)
 
 
-_FAKE_DTYPE_ADDMM: list[bool] = []
-
-
+@functools.cache
 def _fake_dtype_addmm() -> bool:
     """Whether fake tensors run ``addmm``'s ``out_dtype`` form, found once per process. torch 2.11's fake mode
     hands it to the plain ``addmm`` decomposition, ``out_dtype`` landing where ``beta`` goes (a ``TypeError``,
     which the fake mode also logs: silenced for this probe); a torch without the form refuses the keyword."""
-    if not _FAKE_DTYPE_ADDMM:
-        import logging
+    import logging
 
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.utils._python_dispatch import _disable_current_modes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
 
-        log = logging.getLogger("torch._subclasses.fake_tensor")
-        level = log.level
-        log.setLevel(logging.CRITICAL)
-        try:
-            with _disable_current_modes(), FakeTensorMode():
-                out = torch.empty(2, 2)
-                a, b = torch.empty(2, 3, dtype=torch.bfloat16), torch.empty(3, 2, dtype=torch.bfloat16)
-                torch.addmm(out, a, b, out=out, out_dtype=torch.float32)
-            works = True
-        except Exception:  # noqa: BLE001 - any refusal: the form is not traced on this torch
-            works = False
-        finally:
-            log.setLevel(level)
-        _FAKE_DTYPE_ADDMM.append(works)
-    return _FAKE_DTYPE_ADDMM[0]
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with _disable_current_modes(), FakeTensorMode():
+            out = torch.empty(2, 2)
+            a, b = torch.empty(2, 3, dtype=torch.bfloat16), torch.empty(3, 2, dtype=torch.bfloat16)
+            torch.addmm(out, a, b, out=out, out_dtype=torch.float32)
+        return True
+    except Exception:  # noqa: BLE001 - any refusal: the form is not traced on this torch
+        return False
+    finally:
+        log.setLevel(level)
 
 
 # NOTE [ Liger's fused linear cross-entropy ]
