@@ -106,7 +106,8 @@ def _layers(workload: Any) -> int:
 
 def _worker(kind: str, name: str, global_batch_size: int, device: str, gpus: int) -> dict[str, Any]:
     start = time.perf_counter()
-    if os.environ.get("PLAN_SPEED_ONE_CORE"):  # this process and its torch on one core (the first it may use)
+    one_core = bool(os.environ.get("PLAN_SPEED_ONE_CORE"))
+    if one_core:  # this process and its torch on one core (the first it may use)
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import batchfit
     from batchfit.memory.cache import CACHE
@@ -114,7 +115,7 @@ def _worker(kind: str, name: str, global_batch_size: int, device: str, gpus: int
 
     workload = _workload(name)
     loaded = time.perf_counter() - start
-    if os.environ.get("PLAN_SPEED_ONE_CORE"):
+    if one_core:
         import torch
 
         torch.set_num_threads(1)
