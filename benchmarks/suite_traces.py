@@ -101,8 +101,9 @@ def main() -> int:
         log = Path(tmp) / "calls.jsonl"
         env = dict(os.environ, **{LOG: str(log), "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"),
                                                                                  os.environ.get("PYTHONPATH", "")])})
-        command = [sys.executable, "-m", "pytest", "-q", "-n", "auto", "--maxprocesses=4", "-p", "suite_traces",
-                   "-p", "no:cacheprovider", "--durations=0", "--durations-min=0", *sys.argv[1:]]  # fmt: skip
+        command = [sys.executable, "-m", "pytest", "-q", "-n", "auto", "--maxprocesses=4", "--dist", "worksteal",
+                   "-p", "suite_traces", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0",
+                   *sys.argv[1:]]  # fmt: skip
         start = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
