@@ -15,7 +15,10 @@ reference first, the tensor is freed on gloo's thread, where the profiler record
 measured bytes then keep a buffer that was freed (runs of the same step differed by one or two such
 buffers). Here every collective is waited for at once and given a moment for gloo's thread to let go
 before the step goes on (``settle_collectives``), so each buffer is freed by the step itself, where it
-drops it, as the estimate assumes; the step's own order of allocations and frees is unchanged.
+drops it, as the estimate assumes; the step's own order of allocations and frees is unchanged. The ranks
+meet by an all-reduce of a tensor made before the steps, not by ``dist.barrier``: torch 2.11's gloo barrier
+allocates a one-byte tensor of its own (2.13's does not), freed where the profiler does not see it, which the
+measured peak then kept: one byte over the estimate on every tensor-parallel layout.
 
 The tests start its ranks with ``tests/launch.py``: forked from a warm server, as torchrun would start them.
 
@@ -57,11 +60,12 @@ def settle_collectives() -> None:
     """Wait for every collective as soon as it is issued, then pause (NOTE [ Measuring a gloo rank ])."""
     import torch.distributed._functional_collectives as funcol
 
-    wait = funcol.wait_tensor
+    wait, all_reduce = funcol.wait_tensor, dist.all_reduce
     side = dist.new_group(backend="gloo")
+    met = torch.zeros(1)  # made here, before any step is measured
 
     def wait_tensor(t: torch.Tensor) -> torch.Tensor:
-        dist.barrier(group=side)  # every rank has issued the collective: it can finish
+        all_reduce(met, group=side)  # every rank has issued the collective: it can finish
         time.sleep(PAUSE_S)  # ... and gloo's thread lets go of it before the wait drops the last reference
         out = wait(t)
         time.sleep(PAUSE_S)
