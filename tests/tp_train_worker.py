@@ -44,6 +44,20 @@ def next_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), batch["labels"][:, 1:].reshape(-1))
 
 
+class RecordingSGD(torch.optim.SGD):
+    """SGD that notes whether a step read a gradient still held as partial sums (a ``Partial`` DTensor placement:
+    NOTE [ Gradients left as partial sums ] in ``batchfit/train/finish.py``)."""
+
+    partial_seen = False
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                placements = getattr(p.grad, "placements", ())
+                self.partial_seen |= any(pl.is_partial() for pl in placements)
+        return super().step(closure)
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -59,7 +73,7 @@ def main() -> None:
     reference = copy.deepcopy(model)
     vocab = model.config.vocab_size
     trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), next_token_loss, global_batch_size=global_size,
+        model, RecordingSGD(model.parameters(), lr=1.0), next_token_loss, global_batch_size=global_size,
         micro_batch_size=micro, max_grad_norm=MAX_GRAD_NORM, tensor_parallel=tp, sequence_parallel=sp,
     )  # fmt: skip
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
@@ -87,6 +101,7 @@ def main() -> None:
         report["sizes"].append(list(result.micro_batch_sizes))
     report["dtensor_params"] = all(hasattr(p, "full_tensor") for p in trainer.model.parameters())
     report["sharded"] = trainer.sharded
+    report["partial_seen"] = trainer.optimizer.partial_seen
     del trainer, model
     shutdown(place)
     if place.is_main:

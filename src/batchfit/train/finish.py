@@ -75,6 +75,7 @@ def finish_window(acc: Accumulator, reads: Reads, sizes: tuple[int, ...], *, mea
         measuring: the noise scale measures this window.
     """
     params = acc._params()
+    _reduce_partial_gradients(params)
     local = "losses" in reads
     if "totals" in reads and acc._form == TOKENS:
         with refusing(acc, "dividing the gradients by the token count", updated=False):
@@ -138,6 +139,25 @@ def finish_window(acc: Accumulator, reads: Reads, sizes: tuple[int, ...], *, mea
     )
     acc._end_window(n_items)
     return result
+
+
+# NOTE [ Gradients left as partial sums ]
+# Under sequence parallelism a norm's weight sees its part of the sequence on each tensor-parallel rank, so its
+# gradient is a DTensor placed ``Partial("sum")``: each rank holds its part of the sum, reduced when an op needs
+# the whole. torch 2.13's ops reduce it there; torch 2.11's ``clip_grad_norm_`` does not (its norm and the
+# scaling read the partial sums as they are: the clipped weights then move by the wrong amount, 3% of the largest
+# gradient in a two-layer Llama, far more where clipping bites). The window reduces such gradients itself, once,
+# before anything reads them: the same values on every torch, for the all-reduce the later ops ran anyway.
+def _reduce_partial_gradients(params: list[torch.Tensor]) -> None:
+    """Each ``Partial`` DTensor gradient of ``params`` replaced by its reduced (``Replicate``) form (NOTE above)."""
+    for p in params:
+        g = p.grad
+        placements = getattr(g, "placements", None)
+        if placements is None or not any(pl.is_partial() for pl in placements):
+            continue
+        from torch.distributed.tensor import Replicate
+
+        p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in placements])
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
