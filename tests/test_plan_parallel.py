@@ -40,10 +40,37 @@ def serial(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], in
 def test_fitting_ahead_gives_the_same_plan_and_counts_the_same_steps(
     serial: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _needs_children()
     plan, traced, lines = _plan(tmp_path, monkeypatch, workers=4)
     assert lines[0] == "fitting 3 more configurations in 3 other processes"
     assert len(serial[2]) == serial[1] == 10  # one line per traced step when the plan traces them all
     assert (plan, traced) == serial[:2]
+
+
+def _needs_children() -> None:
+    """Skip where this process's children cannot run autograd, so nothing is fitted ahead (a CUDA build of torch,
+    after the serial plan's steps: NOTE [ Autograd in a forked child ] in ``planning/workers.py``)."""
+    if not workers.autograd_in_a_child():
+        pytest.skip("a child forked by this process cannot run autograd (a CUDA build of torch, after a GPU step)")
+
+
+def test_a_forked_child_tells_a_function_that_returns_from_one_that_raises() -> None:
+    def raises() -> None:
+        raise RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing")
+
+    assert workers.forked_child_runs(lambda: None) is True
+    assert workers.forked_child_runs(raises) is False
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fitting ahead forks")
+def test_nothing_is_forked_where_a_child_could_not_run_autograd(
+    serial: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan fits every configuration itself, says nothing of other processes, and traces what the serial plan
+    traces (each child would have traced a forward and failed its backward)."""
+    monkeypatch.setattr(workers, "autograd_in_a_child", lambda: False)
+    plan, traced, lines = _plan(tmp_path, monkeypatch, workers=4)
+    assert (plan, traced, lines) == serial
 
 
 def _in_children_only(monkeypatch: pytest.MonkeyPatch, misbehave: Any) -> None:
@@ -77,6 +104,7 @@ def test_the_plan_fits_the_last_configurations_while_a_child_is_busy(
 ) -> None:
     """One child, slow to start: the plan's process does its first configuration, finds the second
     taken, and fits the last ones itself (their traced steps appear in its progress) instead of waiting."""
+    _needs_children()
     _in_children_only(monkeypatch, lambda: time.sleep(2))
     plan, traced, lines = _plan(tmp_path, monkeypatch, workers=2)
     assert (plan, traced) == serial[:2]
@@ -139,6 +167,7 @@ def test_a_child_writes_nothing_to_the_parents_output(
 ) -> None:
     """A library warning in a child never touches the parent's streams: the children finish their
     configurations (each notes its process in a file) instead of waiting on a held stream lock."""
+    _needs_children()
     import sys
     import warnings
 

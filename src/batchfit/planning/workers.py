@@ -10,11 +10,21 @@ own call for that configuration then finds them. Nothing else passes between the
 traced, added to ``CACHE.misses``, and the blocks they traced and stood for, added to depth synthesis'
 ``STATS`` (a child stopped early reports none).
 
-Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, and
-more than one core (``workers``; ``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that keeps
+Only where it is safe and pays: Linux (``fork``), the disk cache on, a workload the cache can key, a child
+that can run autograd (NOTE [ Autograd in a forked child ]), and more than one core (``workers``;
+``BATCHFIT_WORKERS=1`` turns it off). A child that fails, or that keeps
 the plan waiting ``CHILD_PATIENCE`` times what the plan's process took for its first configuration (at
 least ``MIN_WAIT_S``), is stopped with the other children, and the plan fits what is left itself: a
 child can save time, never change an answer. Children die with the plan's process (``PR_SET_PDEATHSIG``).
+
+NOTE [ Autograd in a forked child ]
+A CUDA build of torch refuses any backward in a child forked after the parent's autograd engine started its
+device threads ("Unable to handle autograd's threading in combination with fork-based multiprocessing"), and a
+traced step on a fake GPU starts them: measured with torch 2.11+cu130, a child forked after one GPU estimate in the
+same process fails its first backward, where one forked before it runs. So a plan called after an estimate (a
+notebook), or a second walk of the same plan (the fused loss's), would fork children that each trace a forward
+and fail. Before forking, a probe child runs one backward on the CPU; when it fails, the plan forks nothing and
+fits every configuration itself, as with one worker.
 
 NOTE [ Forking a process that has threads ]
 Only the forking thread exists in the child; a lock another thread held at the fork stays held there.
@@ -44,7 +54,7 @@ from ..memory.cache import CACHE, Uncacheable, cache_dir, workload_digest
 if TYPE_CHECKING:
     from ..workload import Workload
 
-__all__ = ["FitAhead", "available_cores", "fit_ahead", "resolve_workers"]
+__all__ = ["FitAhead", "autograd_in_a_child", "available_cores", "fit_ahead", "forked_child_runs", "resolve_workers"]
 
 CHILD_PATIENCE = 5.0
 """The plan waits for a child's configuration this many times what its own first configuration took
@@ -236,12 +246,48 @@ def fit_ahead(workload: Workload, configs: list[Any], workers: int, fit_one: Any
     rest = configs[1:]
     ahead = FitAhead(rest)
     try:
-        if workers > 1 and rest and _can_fork() and _cacheable(workload):
+        if workers > 1 and rest and _can_fork() and _cacheable(workload) and autograd_in_a_child():
             for _ in range(min(workers - 1, len(rest))):
                 ahead.spawn(fit_one)
         yield ahead
     finally:
         ahead.close()
+
+
+def autograd_in_a_child() -> bool:
+    """Whether a child forked now can run a backward (NOTE [ Autograd in a forked child ])."""
+    return forked_child_runs(_one_backward)
+
+
+def _one_backward() -> None:
+    import torch
+
+    torch.ones(1, requires_grad=True).sum().backward()
+
+
+def forked_child_runs(fn: Any) -> bool:
+    """Whether ``fn()`` returns, rather than raises, in a child forked now (False where forking fails)."""
+    try:
+        with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: see the NOTE
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except Exception:  # noqa: BLE001 - no child: nothing can be fitted ahead either
+        return False
+    if pid == 0:
+        code = 1
+        try:
+            _quiet()
+            fn()
+            code = 0
+        except BaseException:  # noqa: BLE001 - the answer is the exit code
+            pass
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped elsewhere: the answer is lost, so assume the worst
+        return False
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _can_fork() -> bool:
