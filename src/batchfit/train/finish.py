@@ -75,7 +75,8 @@ def finish_window(acc: Accumulator, reads: Reads, sizes: tuple[int, ...], *, mea
         measuring: the noise scale measures this window.
     """
     params = acc._params()
-    _reduce_partial_gradients(params)
+    with refusing(acc, "reducing the gradients held as partial sums", updated=False):
+        _reduce_partial_gradients(params)
     local = "losses" in reads
     if "totals" in reads and acc._form == TOKENS:
         with refusing(acc, "dividing the gradients by the token count", updated=False):
