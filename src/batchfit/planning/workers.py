@@ -129,9 +129,7 @@ class FitAhead:
         except OSError:  # no temporary directory or descriptors: the plan fits everything itself
             return
         try:
-            with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: see the NOTE
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = _fork()
         except Exception:  # noqa: BLE001 - no child (no resources, a warning made an error): the plan fits it
             os.close(read)
             os.close(write)
@@ -268,9 +266,7 @@ def _one_backward() -> None:
 def forked_child_runs(fn: Any) -> bool:
     """Whether ``fn()`` returns, rather than raises, in a child forked now (False where forking fails)."""
     try:
-        with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: see the NOTE
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+        pid = _fork()
     except Exception:  # noqa: BLE001 - no child: nothing can be fitted ahead either
         return False
     if pid == 0:
@@ -288,6 +284,14 @@ def forked_child_runs(fn: Any) -> bool:
     except ChildProcessError:  # reaped elsewhere: the answer is lost, so assume the worst
         return False
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def _fork() -> int:
+    """``os.fork()``, without the warning Python 3.12+ gives for a process with threads (NOTE [ Forking a process that
+    has threads ] says why it is safe here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
 
 
 def _can_fork() -> bool:
