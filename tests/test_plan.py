@@ -377,6 +377,36 @@ def test_progress_announces_every_step_a_cold_plan_traces(tmp_path: Path, monkey
     assert len(lines) == CACHE.misses - misses == 10
 
 
+class _Positions(nn.Module):
+    """Token ids to logits over a learned position table of one row per position, broadcast over the batch: at one
+    item its gradient is the output's, at more a sum over the batch (a reduction one item does not run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.positions = nn.Embedding(4000, 64), nn.Parameter(torch.zeros(1, 512, 64))
+        self.head = nn.Linear(64, 4000)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) + self.positions)
+
+
+def test_a_whole_share_far_past_the_line_of_the_accumulating_steps_is_not_traced() -> None:
+    """The accumulating step fits one item, not two, so the search draws no line of traces, and the plain steps'
+    line through 1 and 2 does not align (at one item the broadcast needs no reduction); the whole share of eight as
+    one micro-batch lies far past the line through the two traced totals, so it is not traced (for a large model's
+    tensor-parallel rank, a minute of tracing for nothing)."""
+    wl = Workload(model=_Positions, batch=lambda b: (torch.randint(0, 4000, (b, 512)),) * 2,
+                  loss=lambda m, b: nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()),
+                  name="positions")  # fmt: skip
+    device = get_device("A100-80GB")
+    one, two = (estimate(wl, b, device=device, accumulation_steps=2).device_total_bytes for b in (1, 2))
+    lines: list[str] = []
+    p = plan(wl, 8, device=device.with_overrides(total_bytes=(one + two) // 2), setup=Setup(precision="fp32"),
+             progress=lines.append, workers=1)  # fmt: skip
+    assert (p.max_micro_batch_size, p.accumulation_steps) == (1, 8)
+    assert "fp32: tracing a step of 8 items as one micro-batch" not in lines, lines
+
+
 class _MixedScatter(nn.Module):
     """Under autocast its scatter gets a bf16 buffer and fp32 values (softmax runs in fp32): the step fails
     in mixed precision, as it would on a GPU, and runs in fp32."""

@@ -62,6 +62,11 @@ class Rung:
         alone; under tensor parallelism one rank's step, FSDP included, is traced instead."""
         return gpus if self.sharded and self.tensor_parallel == 1 else 1
 
+    def state_shards(self, gpus: int) -> int:
+        """GPUs one rank's parameters, gradients and optimizer states are divided over: FSDP's, or a tensor-parallel
+        group's with FSDP across the groups (every GPU either way), else 1 (each rank holds them whole)."""
+        return gpus if self.sharded or self.tensor_parallel > 1 else 1
+
     def layout(self, gpus: int) -> ParallelLayout | None:
         """The ``ParallelLayout`` one rank of this configuration is traced in (None: no tensor parallelism)."""
         if self.tensor_parallel <= 1:

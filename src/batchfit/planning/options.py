@@ -82,8 +82,7 @@ def _could_fit(wl: Workload, dev: Device, config: Rung, gpus: int, budget: int) 
         states = state_bytes(wl, config.setup.policy(dev).param_dtype)
     except TraceError:  # an optimizer that cannot step on zero gradients: no bound; its fit will say why
         return True
-    held = states.sharded(gpus) if config.sharded or config.tensor_parallel > 1 else states.total
-    return held + dev.context_bytes <= budget
+    return states.sharded(config.state_shards(gpus)) + dev.context_bytes <= budget
 
 
 def config_workload(wl: Workload, config: Rung, gpus: int) -> Workload:
@@ -148,7 +147,7 @@ def _fit_config_uncached(
     # where the accumulating step does not: its estimate settles it where the plain steps' line says it
     # may (the plan's own configuration with 10% to spare), from the trace the accumulating step at the
     # share was written from if the search looked there, else one more trace.
-    if result is not None and _may_fit_whole(result, accumulating, dev, config, share, shards, generous=verify):
+    if result is not None and _may_fit_whole(result, accumulating, dev, config, share, gpus, generous=verify):
         announce = None if progress is None else lambda: progress(f"tracing a step of {share} items as one micro-batch")
         whole = fit_estimate_at(wl, dev, config.setup, shards > 1, gpus=shards, batch_size=share, announce=announce)
         if whole.device_total_bytes <= result.capacity_bytes:
@@ -172,17 +171,22 @@ def one_item_fits(
 
 
 def _may_fit_whole(
-    result: FitResult, wl: Workload, dev: Device, config: Rung, share: int, shards: int, *, generous: bool
+    result: FitResult, wl: Workload, dev: Device, config: Rung, share: int, gpus: int, *, generous: bool
 ) -> bool:
     """Whether the plain step of the whole share could fit although the accumulating step at the share
     does not, predicted from the plain steps the accumulating ones were written from where the cache has
-    them (``memory/synthesis/accumulation.py``; else from the accumulating step less its gradients, alive in it
-    only), with an allocator segment of slack; ``generous`` (the plan's own configuration) allows 10% more."""
+    them (``memory/synthesis/accumulation.py``); else from the accumulating step at the share less its
+    gradients, alive in it only (twice a rank's share of them kept as slack), its trace predicted by the search's
+    line, or its total by the line through the two largest steps the search traced (a search that stopped at
+    two items draws no line of traces); with an allocator segment of slack, and 10% more when ``generous`` (the
+    plan's own configuration)."""
+    shards = config.arithmetic_shards(gpus)
     policy = config.setup.policy(dev)
     plain = with_accumulation(wl, 1)
     classes = config.setup.classes(wl)
+    slack = (20 << 20) + (result.capacity_bytes // 10 if generous else 0)  # one segment, and the 10%
     known = {b: cached_trace(plain, b, dev, policy, classes) for b in sorted(result.traces)[-2:]}
-    trace, slack = None, 20 << 20  # one segment
+    trace = None
     if len(known) == 2 and all(t is not None for t in known.values()):
         (b1, t1), (b2, t2) = known.items()
         try:
@@ -190,16 +194,26 @@ def _may_fit_whole(
         except ValueError:  # the step's code depends on the batch size: no line
             trace = None
     if trace is None:
+        slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // config.state_shards(gpus))
         trace = result.trace_at(share)
-        if trace is None:
-            return True
-        slack += 2 * -(-state_bytes(wl, policy.param_dtype).gradients // shards)
+    if trace is None:
+        total = _total_on_the_line(result, share)
+        return total is None or total - result.capacity_bytes <= slack
     if shards > 1:
         trace = shard_trace(trace, shards)
     est = finish_estimate(trace, plain, share, dev, policy, classes, config.setup.expandable_segments)
-    if generous:
-        slack += result.capacity_bytes // 10
     return est.device_total_bytes - result.capacity_bytes <= slack
+
+
+def _total_on_the_line(result: FitResult, size: int) -> int | None:
+    """The device total at ``size`` on the line through the two largest traced steps of ``result``'s search (None:
+    it traced fewer)."""
+    traced = sorted((a.batch_size, a.device_total_bytes) for a in result.attempts
+                    if a.kind == "trace" and a.seq_len is None and a.device_total_bytes is not None)  # fmt: skip
+    if len(traced) < 2:
+        return None
+    (b1, t1), (b2, t2) = traced[-2:]
+    return t2 + (size - b2) * (t2 - t1) // (b2 - b1)
 
 
 def _option(fitted: _Fitted, dev: Device, gpus: int, global_batch_size: int, interconnect: str) -> PlanOption:
