@@ -349,6 +349,38 @@ def test_a_step_checkpointing_some_blocks_is_written_at_full_depth_as_traced(set
     assert any(short in n for n in written.notes) == (blocks_written == 0)
 
 
+def test_a_neighbouring_selection_is_written_from_the_cut_step_it_shares() -> None:
+    """NOTE [ One cut step for neighbouring selections ]: the first 6 of 12 blocks whole and the rest selectively cut
+    to the same model as the first 7 (four blocks of each run, renumbered alike), so its step is written from the
+    first 7's cut step, untraced, event for event as its full depth is traced; the first 10 (a run of 2 left uncut)
+    is another cut model, traced."""
+    from trace_compare import everything
+
+    from batchfit.gpu.catalog import get_device
+    from batchfit.memory.estimate import _trace_for_device
+    from batchfit.memory.synthesis import depth
+    from batchfit.precision import policy_for
+
+    wl = presets.get("gpt", n_layer=12, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
+    dev = get_device("A100-80GB")
+    policy = policy_for("bf16", bf16_supported=True, device_name=dev.name)
+
+    def trace(setting: str) -> tuple[object, int]:
+        before = depth.STATS.blocks_traced
+        t = _trace_for_device(wl, 2, dev, policy, checkpoint_classes(setting, wl.checkpoint_blocks))
+        return t, depth.STATS.blocks_traced - before
+
+    depth._CUT_STEPS.clear()
+    assert trace("7+selective")[1] == 8
+    shared, traced = trace("6+selective")
+    assert traced == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHFIT_DEPTH_SYNTHESIS", "0")
+        full, _ = trace("6+selective")
+    assert everything(dataclasses.replace(shared, notes=[])) == everything(dataclasses.replace(full, notes=[]))
+    assert trace("10+selective")[1] > 0
+
+
 def test_selective_checkpointing_refuses_the_reentrant_variant() -> None:
     from batchfit.activation_checkpointing import Selective, UseReentrant
 

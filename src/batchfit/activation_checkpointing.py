@@ -92,9 +92,18 @@ def __getattr__(name: str) -> Any:
 def selected_blocks(classes: tuple[type, ...]) -> tuple[int, ...] | None:
     """The block indices an ``Only`` marker among ``classes`` selects; None: every block."""
     for c in classes:
-        if isinstance(c, type) and issubclass(c, Only):
-            return c.blocks
+        if _is_selection(c):
+            return c.blocks  # type: ignore[attr-defined]
     return None
+
+
+def without_selection(classes: tuple[type, ...]) -> tuple[type, ...]:
+    """``classes`` without their ``Only`` marker: every block of theirs checkpointed as the others say."""
+    return tuple(c for c in classes if not _is_selection(c))
+
+
+def _is_selection(c: Any) -> bool:
+    return isinstance(c, type) and issubclass(c, Only)
 
 
 # NOTE [ Selective checkpointing ]
@@ -133,7 +142,7 @@ _MARKERS = (UseReentrant, NonReentrant, Selective, SelectiveRest)
 
 
 def _is_marker(c: type) -> bool:
-    return c in _MARKERS or (isinstance(c, type) and issubclass(c, Only))
+    return c in _MARKERS or _is_selection(c)
 
 
 def with_reentrant(blocks: tuple[type[nn.Module], ...], reentrant: bool) -> tuple[type[nn.Module], ...]:

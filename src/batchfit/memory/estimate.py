@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
-from ..activation_checkpointing import Selective, SelectiveRest, selected_blocks
+from ..activation_checkpointing import Selective, SelectiveRest, selected_blocks, without_selection
 from ..batching import check_batch_size
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
@@ -34,6 +34,8 @@ from .kernels.cuda import CudaKernels, cuda_emulation
 from .kernels.cudnn import WORKSPACE
 from .synthesis.accumulation import accumulating_trace
 from .synthesis.depth import trace_deep
+from .synthesis.stackplan import CutPlan, plan_cut
+from .synthesis.stacks import synthesis_enabled
 from .trace.fake_step import MemoryTrace, trace_workload
 from .trace.heap import full_collections_deferred
 
@@ -352,7 +354,22 @@ def _trace_for_device(
             depth=depth,
         )
 
-    return trace_deep(trace)
+    return trace_deep(trace, _alike_key(workload, batch_size, device, policy, classes))
+
+
+def _alike_key(
+    workload: Workload, batch_size: int, device: Device, policy: PrecisionPolicy, classes: tuple[type, ...]
+) -> tuple[Any, CutPlan] | None:
+    """Where some blocks are checkpointed and the cut is planned: the key its cut step shares with every selection of
+    the same cut shape (NOTE [ One cut step for neighbouring selections ] in ``memory/synthesis/depth.py``), and the
+    plan; else None."""
+    if selected_blocks(classes) is None or not synthesis_enabled():
+        return None
+    plan = plan_cut(workload, policy.param_dtype, classes)
+    key = _cache_key(workload, batch_size, device, policy, without_selection(classes))
+    if plan is None or not plan.shape or key is None:
+        return None
+    return (key, repr(plan.shape)), plan
 
 
 def finish_estimate(

@@ -46,7 +46,7 @@ a trace leaves out run the signatures of those it keeps, so the written trace is
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +57,7 @@ from ...errors import first_line
 from ..trace.tracer import MemoryTrace
 from .blocklabels import BlockRecorder, block_labels
 from .fulldepth import write_full_depth
-from .stackplan import plan_cut, plan_failed
+from .stackplan import CutPlan, plan_cut, plan_failed
 from .stacks import BlockCalledAfterCut, Stack, cut_stacks, find_stacks, synthesis_enabled
 from .sweeps import Irregular
 
@@ -154,11 +154,37 @@ class DepthCut:
         self.recorder = BlockRecorder(modules, tensors)
 
 
-def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
+# NOTE [ One cut step for neighbouring selections ]
+# A search for the fewest blocks to checkpoint (``planning/partial.py``) traces the step with the first k of N
+# blocks checkpointed whole for several k: at k = 72 and 71 of 80, say, each cut (NOTE [ A stack some of whose
+# blocks are checkpointed ]) keeps four blocks of the checkpointed run and four of the rest, renumbered 0 to 7 in
+# the cut container. The two cut models are the same model: the same blocks (up to the settings that number a
+# block's position, which the cut step's checks already assume change nothing), checkpointed alike, in the same
+# places; only the runs' lengths differ, which the cut step does not see and the writer takes from the stacks. So
+# the cut step of one selection is kept (with its labels) under its ``CutPlan.shape`` and the rest of the step's
+# trace key, and a selection of the same shape is written from it with its own stacks, untraced: a second
+# probe of the search costs a write, not a trace (seconds for a deep tensor-parallel rank).
+# ``tests/test_partial_checkpointing.py`` compares such a trace with the one its own cut step writes.
+_CUT_STEPS: dict[Hashable, tuple[MemoryTrace, Any, str]] = {}
+"""Cut steps kept for selections of their shape, by key (the few latest: a search's probes come together)."""
+_CUT_STEPS_KEPT = 4
+
+
+def trace_deep(
+    trace: Callable[[DepthCut | None], MemoryTrace], alike: tuple[Hashable, CutPlan] | None = None
+) -> MemoryTrace:
     """The full-depth trace of a step: ``trace(cut)`` traces it cut (``cut.apply`` on the model) and it
-    is written at full depth, or ``trace(None)`` traces it as it is (see the NOTE)."""
+    is written at full depth, or ``trace(None)`` traces it as it is (see the NOTE). ``alike``: the key of the cut
+    step among steps that differ only in which blocks are checkpointed, and the step's planned cut (NOTE above)."""
     if not synthesis_enabled():
         return trace(None)
+    if alike is not None and alike[0] in _CUT_STEPS:
+        shallow, labels, root = _CUT_STEPS[alike[0]]
+        plan = alike[1]
+        try:
+            return _written(shallow, labels, list(plan.stacks), root, list(plan.reasons))
+        except Exception:  # noqa: BLE001 - not as the kept one was: this selection's own cut step below
+            pass
     cut = DepthCut()
     try:
         shallow = trace(cut)
@@ -175,15 +201,25 @@ def trace_deep(trace: Callable[[DepthCut | None], MemoryTrace]) -> MemoryTrace:
         labels = cut.recorder.labels(shallow)
         if labels.mixed:
             raise Irregular(labels.mixed)
-        full = write_full_depth(shallow, labels, cut.stacks, cut.root)
+        full = _written(shallow, labels, cut.stacks, cut.root, cut.reasons)
     except Irregular as e:
         return _full_depth(trace, str(e))
     except Exception as e:  # noqa: BLE001 - writing the full depth failed: the step is traced whole instead
         return _full_depth(trace, f"writing the full depth failed ({_why(e)})")
     STATS.blocks_traced += sum(s.kept for s in cut.stacks)
-    STATS.blocks_written += sum(s.length for s in cut.stacks)
+    if alike is not None and cut.stacks == list(alike[1].stacks):  # cut as planned: its shape is the plan's
+        _CUT_STEPS[alike[0]] = (shallow, labels, cut.root)
+        while len(_CUT_STEPS) > _CUT_STEPS_KEPT:
+            del _CUT_STEPS[next(iter(_CUT_STEPS))]
+    return full
+
+
+def _written(shallow: MemoryTrace, labels: Any, stacks: list[Stack], root: str, reasons: list[str]) -> MemoryTrace:
+    """The full-depth trace written from the cut step ``shallow`` for ``stacks``, its notes saying ``reasons``."""
+    full = write_full_depth(shallow, labels, stacks, root)
+    STATS.blocks_written += sum(s.length for s in stacks)
     STATS.traces_written += 1
-    full.notes.extend(f"traced at full depth (no depth synthesis): {r}" for r in cut.reasons)
+    full.notes.extend(f"traced at full depth (no depth synthesis): {r}" for r in reasons)
     return full
 
 

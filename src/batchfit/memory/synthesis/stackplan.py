@@ -51,6 +51,12 @@ class CutPlan:
     kept: tuple[tuple[str, tuple[Any, ...]], ...]
     """Per container of stacks: its path and the signatures of the blocks the cut keeps
     (``stacks.block_signatures``)."""
+    shape: tuple[Any, ...] = ()
+    """Where some blocks are checkpointed, the cut model whichever of the full model's blocks it keeps: per container
+    of stacks, the blocks the cut keeps (their signatures but for the settings that number a block's position) and
+    how each is checkpointed, and where each stack's kept blocks sit in it; else empty. Two selections of
+    checkpointed blocks whose cuts have one shape trace the same cut step (NOTE [ One cut step for neighbouring
+    selections ] in ``memory/synthesis/depth.py``)."""
 
     @contextlib.contextmanager
     def skipping(self) -> Iterator[None]:
@@ -208,17 +214,19 @@ def _alike_parts(stack: Stack, marks: list[Any]) -> list[Stack]:
     return parts
 
 
-def _checkpointed_alike(model: nn.Module, stacks: list[Stack], classes: tuple[type, ...],
-                        reasons: list[str]) -> list[Stack]:  # fmt: skip
+def _checkpointed_alike(model: nn.Module, stacks: list[Stack], classes: tuple[type, ...], reasons: list[str],
+                        marks: dict[str, list[Any]]) -> list[Stack]:  # fmt: skip
     """``stacks`` split into the parts of blocks ``classes`` checkpoint alike (NOTE above); a stack with no such
-    part worth cutting is left out, and ``reasons`` says so."""
+    part worth cutting is left out, and ``reasons`` says so. ``marks`` gets each container's blocks' marks (how
+    each is checkpointed), by path."""
     whole: dict[int, bool] = {}
     apply_checkpointing(model, classes, whole)
     parts_of_all = []
     for stack in stacks:
         container = model.get_submodule(stack.path) if stack.path else model
-        marks = [tuple(whole[id(m)] for m in block.modules() if id(m) in whole) for block in container.children()]
-        parts = _alike_parts(stack, marks)
+        marks[stack.path] = [tuple(whole[id(m)] for m in block.modules() if id(m) in whole)
+                             for block in container.children()]  # fmt: skip
+        parts = _alike_parts(stack, marks[stack.path])
         if not parts:
             reasons.append(f"{stack.path or 'the model'}: its checkpointed blocks and the others make no run long "
                            f"enough to cut")  # fmt: skip
@@ -250,17 +258,22 @@ def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[ty
         nn.Module.__init__ = original  # type: ignore[method-assign]
     stacks, reasons = find_stacks(model)
     built = {s.path: list((model.get_submodule(s.path) if s.path else model)._modules.values()) for s in stacks}
-    signatures = {}  # of the blocks as the fake build makes them: before checkpointing changes their settings
+    signatures, unnumbered = {}, {}  # of the blocks as the fake build makes them: before checkpointing changes them
+    marks: dict[str, list[Any]] = {}
     if classes:
         signatures = {path: block_signatures(blocks) for path, blocks in built.items()}
+        unnumbered = {path: block_signatures(blocks, numbered=False) for path, blocks in built.items()}
         try:
-            stacks = _checkpointed_alike(model, stacks, classes, reasons)
+            stacks = _checkpointed_alike(model, stacks, classes, reasons, marks)
         except Exception:  # noqa: BLE001 - a model meta cannot checkpoint: traced at full depth, as it was
             return None
     skip: dict[type, set[int]] = {}
-    kept = []
+    kept, shape = [], []
     for path in dict.fromkeys(st.path for st in stacks):  # each container once, in order
         blocks, dropped = built[path], _dropped([st for st in stacks if st.path == path])
+        if path in marks:
+            shape.append((path, tuple((sig, m) for i, (sig, m) in enumerate(zip(unnumbered[path], marks[path]))
+                                      if i not in dropped)))  # fmt: skip
         for i in sorted(dropped):
             cls, n = order.get(id(blocks[i]), (None, -1))
             if cls is not type(blocks[i]):
@@ -270,4 +283,7 @@ def _plan(workload: Workload, param_dtype: torch.dtype | None, classes: tuple[ty
             kept.append((path, tuple(sig for i, sig in enumerate(signatures[path]) if i not in dropped)))
         else:
             kept.append((path, block_signatures([b for i, b in enumerate(blocks) if i not in dropped])))
-    return CutPlan(tuple(stacks), tuple(reasons), tuple((c, frozenset(n)) for c, n in skip.items()), tuple(kept))
+    if shape:
+        shape.append(tuple((st.path, st.cut_start, st.kept, st.period) for st in stacks))
+    return CutPlan(tuple(stacks), tuple(reasons), tuple((c, frozenset(n)) for c, n in skip.items()), tuple(kept),
+                   tuple(shape))  # fmt: skip

@@ -147,14 +147,15 @@ def _raw_signature(
     return rows, settings, ids, lazy
 
 
-def block_signatures(blocks: list[nn.Module]) -> tuple[Any, ...]:
+def block_signatures(blocks: list[nn.Module], numbered: bool = True) -> tuple[Any, ...]:
     """What a block's trace depends on that its construction decides: its classes, tensors' layouts,
-    hooks and settings (its index included), block by block."""
-    out = []
-    for block in blocks:
-        rows, settings, _, _ = _raw_signature(block)
-        out.append((type(block), tuple(rows), tuple(sorted(settings.items(), key=repr))))
-    return tuple(out)
+    hooks and settings (its index included; with ``numbered`` False, without the settings that number the
+    blocks' positions, ``layer_idx``), block by block."""
+    raw = [_raw_signature(block) for block in blocks]
+    index_like = set() if numbered else _index_like([settings for _, settings, _, _ in raw])
+    return tuple((type(block), tuple(rows), tuple(sorted(((k, v) for k, v in settings.items() if k not in index_like),
+                                                         key=repr)))
+                 for block, (rows, settings, _, _) in zip(blocks, raw))  # fmt: skip
 
 
 def _index_like(settings: list[dict[tuple[str, str], Any]]) -> set[tuple[str, str]]:
