@@ -370,7 +370,6 @@ def test_a_neighbouring_selection_is_written_from_the_cut_step_it_shares() -> No
         t = _trace_for_device(wl, 2, dev, policy, checkpoint_classes(setting, wl.checkpoint_blocks))
         return t, depth.STATS.blocks_traced - before
 
-    depth._CUT_STEPS.clear()
     assert trace("7+selective")[1] == 8
     shared, traced = trace("6+selective")
     assert traced == 0
