@@ -277,7 +277,8 @@ def test_sequence_parallelism_needs_blocks_and_says_so() -> None:
 
 def test_a_layout_is_fitted_only_after_the_more_split_ones_fit_one_item() -> None:
     """NOTE [ The most split layout first ]: before a tensor-parallel layout's fit, one item of the most split
-    layout, of its own degree with sequence parallelism, and of itself must fit (each traced once, kept)."""
+    layout, of each more split degree between (widest first), of its own degree with sequence parallelism, and of
+    itself must fit (each traced once, kept)."""
     rungs = ladder(get_device("H100-80GB"), 8, Setup(precision="bf16", checkpointing="blocks"), True, (2, 4, 8))
     layouts = {(r.tensor_parallel, r.sequence_parallel): r for r in rungs if r.tensor_parallel > 1}
 
@@ -286,9 +287,12 @@ def test_a_layout_is_fitted_only_after_the_more_split_ones_fit_one_item() -> Non
                 for r, why in more_split_first(layouts[degree, sp])]  # fmt: skip
 
     twin = "its degree with sequence parallelism"
-    assert chain(2, False) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout"),
+    between = (4, True, "tensor parallel 4 + sequence parallel", "a more split layout")
+    assert chain(2, False) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout"), between,
                                (2, True, "tensor parallel 2 + sequence parallel", twin),
                                (2, False, "tensor parallel 2", "before its fit")]  # fmt: skip
+    assert chain(2, True) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout"), between,
+                              (2, True, "tensor parallel 2 + sequence parallel", "before its fit")]  # fmt: skip
     assert chain(4, True) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout"),
                               (4, True, "tensor parallel 4 + sequence parallel", "before its fit")]  # fmt: skip
     assert chain(8, True) == [(8, True, "tensor parallel 8 + sequence parallel", "the most split layout")]

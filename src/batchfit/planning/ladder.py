@@ -44,6 +44,8 @@ class Rung:
     """The largest tensor-parallel degree of the ladder (NOTE [ The most split layout first ])."""
     widest_sp: bool = False
     """Whether the ladder's layouts include sequence parallelism (the most split ones do then)."""
+    degrees: tuple[int, ...] = ()
+    """The ladder's tensor-parallel degrees (NOTE [ The most split layout first ])."""
 
     @property
     def precision(self) -> str:
@@ -119,26 +121,32 @@ def ladder(
                 cost = tuple(sorted((r for r, _ in used), reverse=True))
                 widest = max(tp_degrees, default=1)
                 rung_setup = dataclasses.replace(setup, precision=prec, checkpointing=ck)
-                configs.append(Rung(rung_setup, sharded, remedies, cost, degree, sp, widest, True in sp_options))
+                configs.append(Rung(rung_setup, sharded, remedies, cost, degree, sp, widest, True in sp_options,
+                                    tuple(tp_degrees)))  # fmt: skip
     return sorted(configs, key=lambda c: (c.cost, c.tensor_parallel, not c.sequence_parallel))
 
 
 # NOTE [ The most split layout first ]
-# A 70B model at 32k tokens takes about a minute to trace per tensor-parallel layout on a CPU, and for a
+# A 70B model's tensor-parallel rank at 32k tokens takes seconds to trace cut (a minute at full depth), and for a
 # given precision and checkpointing most layouts do not fit even one item. Each rank's memory only falls
 # as the degree grows and with sequence parallelism (parameters, gradients, states and the planned
 # layers' activations are split further; the gathered sequence is the same size), so before any
 # tensor-parallel layout is fitted, the most split one of its precision and checkpointing (the widest
 # degree, with sequence parallelism where the ladder has it) is traced at one item: when even that does
-# not fit, none of them does, and the others are skipped untraced. A layout that passes is traced at one
-# item of its own before its fit: the ladder reaches tensor parallelism only when nothing whole fits, so
-# its less split layouts often fit no item, which one trace says where a fit that finds nothing takes four.
-# Without sequence parallelism, its degree with it comes first (the ladder fitted it just before: the
-# trace is kept), so a layout whose sequence-parallel twin fits no item is skipped untraced as well.
+# not fit, none of them does, and the others are skipped untraced. Then each degree between, widest first, with
+# sequence parallelism where the ladder has it: the first that fits no item skips every layout less split than it
+# (the ladder reaches tensor parallelism only when nothing whole fits, so its less split layouts often fit no
+# item: one trace of the degree above them says so for all, and a degree that fits is one the walk fits soon).
+# A layout that passes is traced at one item of its own before its fit: one trace says what a fit that finds
+# nothing takes four to. Without sequence parallelism, its degree with it comes first (the ladder fitted it just
+# before: the trace is kept), so a layout whose sequence-parallel twin fits no item is skipped untraced as well.
 def more_split_first(config: Rung) -> list[tuple[Rung, str]]:
     """The layouts whose one-item step must fit before ``config`` is fitted, most split first, each with why it is
-    traced: the most split one, ``config``'s degree with sequence parallelism, and ``config`` itself."""
+    traced: the most split one, the more split degrees between, ``config``'s degree with sequence parallelism, and
+    ``config`` itself."""
     chain = [(_layout(config, config.widest, config.widest_sp), "the most split layout")]
+    between = sorted((d for d in config.degrees if config.tensor_parallel < d < config.widest), reverse=True)
+    chain += [(_layout(config, d, config.widest_sp), "a more split layout") for d in between]
     if config.widest_sp and not config.sequence_parallel:
         chain.append((_layout(config, config.tensor_parallel, True), "its degree with sequence parallelism"))
     chain.append((config, "before its fit"))
