@@ -394,7 +394,7 @@ def test_a_whole_share_far_past_the_line_of_the_accumulating_steps_is_not_traced
     """The accumulating step fits one item, not two, so the search draws no line of traces, and the plain steps'
     line through 1 and 2 does not align (at one item the broadcast needs no reduction); the whole share of eight as
     one micro-batch lies far past the line through the two traced totals, so it is not traced (for a large model's
-    tensor-parallel rank, a minute of tracing for nothing)."""
+    tensor-parallel rank, seconds of tracing for nothing)."""
     wl = Workload(model=_Positions, batch=lambda b: (torch.randint(0, 4000, (b, 512)),) * 2,
                   loss=lambda m, b: nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()),
                   name="positions")  # fmt: skip
