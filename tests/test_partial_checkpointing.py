@@ -349,11 +349,12 @@ def test_a_step_checkpointing_some_blocks_is_written_at_full_depth_as_traced(set
     assert any(short in n for n in written.notes) == (blocks_written == 0)
 
 
-def test_a_neighbouring_selection_is_written_from_the_cut_step_it_shares() -> None:
+@pytest.mark.parametrize("name", [pytest.param("gpt"), pytest.param("llama", marks=[needs_hf])])
+def test_a_neighbouring_selection_is_written_from_the_cut_step_it_shares(name: str) -> None:
     """NOTE [ One cut step for neighbouring selections ]: the first 6 of 12 blocks whole and the rest selectively cut
-    to the same model as the first 7 (four blocks of each run, renumbered alike), so its step is written from the
-    first 7's cut step, untraced, event for event as its full depth is traced; the first 10 (a run of 2 left uncut)
-    is another cut model, traced."""
+    to the same model as the first 7 (four blocks of each run, renumbered alike; a transformers layer's
+    ``layer_idx`` aside), so its step is written from the first 7's cut step, untraced, event for event as its full
+    depth is traced; the first 10 (a run of 2 left uncut) is another cut model, traced."""
     from trace_compare import everything
 
     from batchfit.gpu.catalog import get_device
@@ -361,7 +362,8 @@ def test_a_neighbouring_selection_is_written_from_the_cut_step_it_shares() -> No
     from batchfit.memory.synthesis import depth
     from batchfit.precision import policy_for
 
-    wl = presets.get("gpt", n_layer=12, n_embd=32, n_head=2, vocab_size=96, seq_len=16)
+    wl = (presets.get("gpt", n_layer=12, n_embd=32, n_head=2, vocab_size=96, seq_len=16) if name == "gpt"
+          else _zoo("llama-gqa", 12))  # fmt: skip
     dev = get_device("A100-80GB")
     policy = policy_for("bf16", bf16_supported=True, device_name=dev.name)
 
