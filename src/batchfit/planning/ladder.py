@@ -40,12 +40,15 @@ class Rung:
     tensor_parallel: int = 1
     """GPUs of one tensor-parallel group (1: none); FSDP shards across the groups when there are several."""
     sequence_parallel: bool = False
-    widest: int = 1
-    """The largest tensor-parallel degree of the ladder (NOTE [ The most split layout first ])."""
     widest_sp: bool = False
     """Whether the ladder's layouts include sequence parallelism (the most split ones do then)."""
     degrees: tuple[int, ...] = ()
     """The ladder's tensor-parallel degrees (NOTE [ The most split layout first ])."""
+
+    @property
+    def widest(self) -> int:
+        """The largest tensor-parallel degree of the ladder (1: none)."""
+        return max(self.degrees, default=1)
 
     @property
     def precision(self) -> str:
@@ -119,9 +122,8 @@ def ladder(
                 used.sort()
                 remedies = tuple(name for _, name in used)
                 cost = tuple(sorted((r for r, _ in used), reverse=True))
-                widest = max(tp_degrees, default=1)
                 rung_setup = dataclasses.replace(setup, precision=prec, checkpointing=ck)
-                configs.append(Rung(rung_setup, sharded, remedies, cost, degree, sp, widest, True in sp_options,
+                configs.append(Rung(rung_setup, sharded, remedies, cost, degree, sp, True in sp_options,
                                     tuple(tp_degrees)))  # fmt: skip
     return sorted(configs, key=lambda c: (c.cost, c.tensor_parallel, not c.sequence_parallel))
 
