@@ -84,13 +84,10 @@ def _fits_exact_against_the_allocator_model() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _fresh_trace_cache() -> None:
-    """Each test starts with nothing cached in memory (the disk cache is per session, see above), cut steps kept for
-    neighbouring selections of checkpointed blocks included."""
+    """Each test starts with nothing cached in memory (the disk cache is per session, see above)."""
     from batchfit.memory.cache import CACHE
-    from batchfit.memory.synthesis import depth
 
     CACHE.clear_memory()
-    depth._CUT_STEPS.clear()
 
 
 @pytest.fixture(autouse=True)

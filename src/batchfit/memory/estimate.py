@@ -15,6 +15,7 @@ Limitations:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -359,7 +360,7 @@ def _trace_for_device(
 
 def _alike_key(
     workload: Workload, batch_size: int, device: Device, policy: PrecisionPolicy, classes: tuple[type, ...]
-) -> tuple[Any, CutPlan] | None:
+) -> tuple[str, CutPlan] | None:
     """Where some blocks are checkpointed and the cut is planned: the key its cut step shares with every selection of
     the same cut shape (NOTE [ One cut step for neighbouring selections ] in ``memory/synthesis/depth.py``), and the
     plan; else None."""
@@ -369,7 +370,7 @@ def _alike_key(
     key = _cache_key(workload, batch_size, device, policy, without_selection(classes))
     if plan is None or not plan.shape or key is None:
         return None
-    return (key, repr(plan.shape)), plan
+    return f"cut-step-{key}-{hashlib.sha256(repr(plan.shape).encode()).hexdigest()}", plan
 
 
 def finish_estimate(

@@ -109,6 +109,19 @@ class TraceCache:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(tmp)
 
+    def keep(self, key: str, value: Any) -> None:
+        """``value`` kept under ``key`` in this process's memory only (with the traces it holds, dropped with them by
+        ``clear_memory``): what is worth keeping for the process but not across them."""
+        self._remember(key, value)
+
+    def recall(self, key: str) -> Any:
+        """What ``keep`` (or a trace read or put) left in memory under ``key``, or None; the disk is not read, and
+        nothing is counted."""
+        if key not in self._memory:
+            return None
+        self._memory[key] = self._memory.pop(key)
+        return self._memory[key]
+
     def _remember(self, key: str, trace: Any) -> None:
         self._memory[key] = trace
         while len(self._memory) > _MEMORY_ENTRIES:

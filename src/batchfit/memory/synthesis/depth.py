@@ -46,7 +46,7 @@ a trace leaves out run the signatures of those it keeps, so the written trace is
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ from torch import nn
 
 from ...activation_checkpointing import selected_blocks
 from ...errors import first_line
+from ..cache import CACHE
 from ..trace.tracer import MemoryTrace
 from .blocklabels import BlockRecorder, block_labels
 from .fulldepth import write_full_depth
@@ -161,26 +162,22 @@ class DepthCut:
 # the cut container. The two cut models are the same model: the same blocks (up to the settings that number a
 # block's position, which the cut step's checks already assume change nothing), checkpointed alike, in the same
 # places; only the runs' lengths differ, which the cut step does not see and the writer takes from the stacks. So
-# the cut step of one selection is kept (with its labels) under its ``CutPlan.shape`` and the rest of the step's
-# trace key, and a selection of the same shape is written from it with its own stacks, untraced: a second
-# probe of the search costs a write, not a trace (seconds for a deep tensor-parallel rank).
+# the cut step of one selection is kept (with its labels) in the trace cache's memory, under its ``CutPlan.shape``
+# and the rest of the step's trace key, and a selection of the same shape is written from it with its own stacks,
+# untraced: a second probe of the search costs a write, not a trace (seconds for a deep tensor-parallel rank).
 # ``tests/test_partial_checkpointing.py`` compares such a trace with the one its own cut step writes.
-_CUT_STEPS: dict[Hashable, tuple[MemoryTrace, Any, str]] = {}
-"""Cut steps kept for selections of their shape, by key (the few latest: a search's probes come together)."""
-_CUT_STEPS_KEPT = 4
-
-
 def trace_deep(
-    trace: Callable[[DepthCut | None], MemoryTrace], alike: tuple[Hashable, CutPlan] | None = None
+    trace: Callable[[DepthCut | None], MemoryTrace], alike: tuple[str, CutPlan] | None = None
 ) -> MemoryTrace:
     """The full-depth trace of a step: ``trace(cut)`` traces it cut (``cut.apply`` on the model) and it
     is written at full depth, or ``trace(None)`` traces it as it is (see the NOTE). ``alike``: the key of the cut
     step among steps that differ only in which blocks are checkpointed, and the step's planned cut (NOTE above)."""
     if not synthesis_enabled():
         return trace(None)
-    if alike is not None and alike[0] in _CUT_STEPS:
-        shallow, labels, root = _CUT_STEPS[alike[0]]
-        plan = alike[1]
+    kept = CACHE.recall(alike[0]) if alike is not None else None
+    if kept is not None:
+        shallow, labels, root = kept
+        plan = alike[1]  # type: ignore[index]
         try:
             return _written(shallow, labels, list(plan.stacks), root, list(plan.reasons))
         except Exception:  # noqa: BLE001 - not as the kept one was: this selection's own cut step below
@@ -208,9 +205,7 @@ def trace_deep(
         return _full_depth(trace, f"writing the full depth failed ({_why(e)})")
     STATS.blocks_traced += sum(s.kept for s in cut.stacks)
     if alike is not None and cut.stacks == list(alike[1].stacks):  # cut as planned: its shape is the plan's
-        _CUT_STEPS[alike[0]] = (shallow, labels, cut.root)
-        while len(_CUT_STEPS) > _CUT_STEPS_KEPT:
-            del _CUT_STEPS[next(iter(_CUT_STEPS))]
+        CACHE.keep(alike[0], (shallow, labels, cut.root))
     return full
 
 
