@@ -77,9 +77,37 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    the next layer's backward, or as ``y``), so each layer and direction's ``workspace`` becomes the rest
    of its share, ``U - 1`` units (``U - 2`` above the first layer of a bidirectional stack, whose input,
    the concatenation of the two directions below, the trace keeps too), and the stack's total is the
-   GPU's to within those 256-296 bytes. The call's transient cuDNN workspace (taken in the forward and
-   twice in the backward, as large as the reserve and often larger) follows no rule those problems show
-   and is not modelled: the recurrent family's known error keeps it free (``planning/known_error.py``).
+   GPU's to within those 256-296 bytes.
+   5a. cuDNN's transient workspace. ``_cudnn_rnn`` takes a workspace after its outputs and frees it on return;
+   ``_cudnn_rnn_backward`` takes one for the data's gradient (before the weights' gradient buffer) and one for
+   the weights' (after it), each freed at once. RNN.cpp asks ``cudnnGetRNNTempSpaceSizes`` the same question
+   (training mode) all three times, so the three have one size where the forward and the backward pick the
+   same algorithm (all 963 such problems): the standard one, unless the hidden size is small enough for the
+   persistent small-H kernels (LSTM: up to 192 forward, 128 backward) or an fp16 stack meets the persistent
+   heuristics. It is as large as the reserve and often larger (a 2-layer bidirectional LSTM, 256 -> 512 at
+   64 x 128: 306 MiB beside a 352 MiB reserve), so a step that left it out allocated 32% more on an H200 than
+   estimated, and reserved 39% more. cuDNN does not publish its size; read off the same problems, for an LSTM
+   without projection on the standard algorithm, with T steps, B sequences, input width I, hidden size H, L
+   layers, D directions and s bytes per element, W the weight buffer's bytes and C = 8 MiB:
+   ``W + 256 + 32 ceil(B/4) + TBs (I + 5H) + L (C + (10B - 8) H s)`` for a one-directional stack,
+   with, in a single layer, the last term ``C + max((10B - 8) H s, 2 TBs (I - H) + (11B - 8) H s)``, and from
+   512 steps on ``W + 256 + 32 ceil(B/4) + C + (11B - 8) H s + TBs (2I + 4H + max(0, I - H))``; and
+   ``W + 256 + 32 ceil(B/4) + TBs (I + 14H) + 2L (C + (12B - 8) H s)`` for a bidirectional one
+   (``cudnn_rnn_workspace_bytes``). As the allocator rounds it, that is the GPU's size in 205 of the 220
+   recorded stacks it covers (fp32 88 of 94, bf16 92 of 99, fp16 25 of 27; ``rnn_workspace_covered``: the
+   input no wider than the hidden size, except for one-directional single layers, and one-directional stacks
+   of up to 256 or, single, from 512 steps); of the others, most are stacks of one or two steps (the GPU's up
+   to 2.7% larger), the rest a few bytes of alignment. Outside (27 stacks: a wider input in a deeper or bidirectional stack,
+   257-511 steps unmeasured, deeper one-directional stacks from 512 steps) it is the closest form measured:
+   -5% to +24% of the GPU's. The small-H kernels take another size (the rule: -54% to 0% of it in fp32, -69%
+   to 0% in fp16, -14% to +4% in bf16; the trace uses it there too), no fp16 stack of the sample met the
+   persistent heuristics, and an LSTM with a projection runs cell by cell on the CPU, so is not traced as
+   cuDNN's stack. ``benchmarks/cudnn_rnn_sizes.py`` asks cuDNN itself over a dense grid, to pin what the
+   sample leaves open. The trace takes the workspace as transient scratch after the stack's last layer
+   in the forward (its outputs and reserve alive, as on the GPU), after the first layer run backward and
+   after the last, each sized again at another batch size or length from the stack's geometry
+   (``RnnWorkspace``: the size rounds the batch and takes a maximum, so it is not a line). The two steps of
+   ``benchmarks/gpu_truth.py`` with LSTMs then allocate within 0.2% of an H200 and reserve within 2.0%.
 6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
    output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
    which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
@@ -106,8 +134,9 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
 Limitations:
     cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
     (``batchfit calibrate`` folds it into the per-handle workspace); cuDNN's RNN reserve is modelled,
-    its transient workspace is not; cuDNN convolution workspaces are an assumption unless a device
-    profile measured them.
+    and its transient workspace for LSTMs by a rule measured on one GPU and cuDNN (H200, 9.19: item 5a),
+    exact where it was found so and the closest measured form elsewhere; cuDNN convolution workspaces are
+    an assumption unless a device profile measured them.
 """
 
 from __future__ import annotations
