@@ -250,9 +250,9 @@ CHECKS = (  # problems also run for real: (mode, dtype, input, hidden, layers, b
 def cross_check(cudnn: Cudnn, out: Path, count: int, props: tuple[int, int, int]) -> int:
     """The workspace each real cuDNN call of a few problems took from the caching allocator, beside the size asked
     for the algorithm PyTorch picks; returns how many disagree (each printed)."""
-    import torch
-
     import importlib.util
+
+    import torch
 
     path = Path(__file__).resolve().parent / "cudnn_workspaces.py"
     module_spec = importlib.util.spec_from_file_location("cudnn_workspaces", path)

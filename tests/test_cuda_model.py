@@ -476,7 +476,7 @@ def _workspaces(row: dict) -> list[int]:
 
 def _standard_algo(row: dict) -> bool:
     """PyTorch asks cuDNN for its standard algorithm, forward and backward (``get_algo`` in ``cudnn/RNN.cpp``): above
-    the persistent small-hidden kernels' 192 / 128 and, in fp16, outside the persistent heuristics (none was sampled)."""
+    the persistent small-hidden kernels' 192 / 128 and, in fp16, outside the persistent heuristics (none sampled)."""
     return row["hidden"] > 192 and not (
         row["dtype"] == "fp16" and row["layers"] == 1 and not row["bidirectional"] and row["hidden"] <= 1024
         and row["hidden"] % 128 == 0 and row["input"] % 128 == 0 and row["batch"] % 8 == 0 and row["batch"] <= 128)

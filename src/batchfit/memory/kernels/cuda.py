@@ -97,13 +97,13 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    recorded stacks it covers (fp32 88 of 94, bf16 92 of 99, fp16 25 of 27; ``rnn_workspace_covered``: the
    input no wider than the hidden size, except for one-directional single layers, and one-directional stacks
    of up to 256 or, single, from 512 steps); of the others, most are stacks of one or two steps (the GPU's up
-   to 2.7% larger), the rest a few bytes of alignment. Outside (27 stacks: a wider input in a deeper or bidirectional stack,
-   257-511 steps unmeasured, deeper one-directional stacks from 512 steps) it is the closest form measured:
-   -5% to +24% of the GPU's. The small-H kernels take another size (the rule: -54% to 0% of it in fp32, -69%
-   to 0% in fp16, -14% to +4% in bf16; the trace uses it there too), no fp16 stack of the sample met the
-   persistent heuristics, and an LSTM with a projection runs cell by cell on the CPU, so is not traced as
-   cuDNN's stack. ``benchmarks/cudnn_rnn_sizes.py`` asks cuDNN itself over a dense grid, to pin what the
-   sample leaves open. The trace takes the workspace as transient scratch after the stack's last layer
+   to 2.7% larger), the rest a few bytes of alignment. Outside (27 stacks: a wider input in a deeper or
+   bidirectional stack, 257-511 steps unmeasured, deeper one-directional stacks from 512 steps) it is the
+   closest form measured: -5% to +24% of the GPU's. The small-H kernels take another size (the rule: -54% to
+   0% of it in fp32, -69% to 0% in fp16, -14% to +4% in bf16; the trace uses it there too), no fp16 stack of
+   the sample met the persistent heuristics, and an LSTM with a projection runs cell by cell on the CPU, so
+   is not traced as cuDNN's stack. ``benchmarks/cudnn_rnn_sizes.py`` asks cuDNN itself over a dense grid, to
+   pin what the sample leaves open. The trace takes the workspace as transient scratch after the stack's last layer
    in the forward (its outputs and reserve alive, as on the GPU), after the first layer run backward and
    after the last, each sized again at another batch size or length from the stack's geometry
    (``RnnWorkspace``: the size rounds the batch and takes a maximum, so it is not a line). The two steps of
@@ -266,7 +266,7 @@ class CudaKernels:
         """cuDNN's workspace, taken and freed inside the stack's one ``_cudnn_rnn`` call (after the last layer's
         outputs, all of them alive there as on the GPU) and twice inside its ``_cudnn_rnn_backward``: for the data's
         gradient before any weight's gradient (after the first layer run backward), for the weights' after them all
-        (after the last). Counted in layer calls, as ``fix_outputs`` counts the forward's (NOTE, item 5)."""
+        (after the last). Counted in layer calls, as ``fix_outputs`` counts the forward's (NOTE, item 5a)."""
         if func is _RNN_LAYER:
             if len(args) < 16 or not isinstance(args[0], torch.Tensor):
                 return
@@ -354,7 +354,7 @@ def _with_reserve(args: tuple, out: Any, takes_concatenation: bool) -> Any:
 # -- 5. recurrent layers: cuDNN's transient workspace -------------------------------------------------
 _CUDNN_LSTM = 2
 _RNN_CONSTANT = 8 << 20
-"""A fixed 8 MiB in each layer and direction's share of the workspace (NOTE, item 5)."""
+"""A fixed 8 MiB in each layer and direction's share of the workspace (NOTE, item 5a)."""
 
 
 def cudnn_rnn_workspace_bytes(itemsize: int, input_size: int, hidden: int, layers: int, bidirectional: bool,
@@ -362,7 +362,7 @@ def cudnn_rnn_workspace_bytes(itemsize: int, input_size: int, hidden: int, layer
     """The workspace ``cudnnGetRNNTempSpaceSizes`` gives a cuDNN LSTM without projection (standard algorithm, dropout
     off, padded I/O, as ``aten/src/ATen/native/cudnn/RNN.cpp`` describes it) on an H200 with cuDNN 9.19, for the whole
     stack; ``_cudnn_rnn`` and both halves of ``_cudnn_rnn_backward`` take one of this size. ``itemsize``: the input's
-    dtype. Measured rule (NOTE, item 5): to the byte, after the allocator's rounding, where ``rnn_workspace_covered``
+    dtype. Measured rule (NOTE, item 5a): to the byte, after the allocator's rounding, where ``rnn_workspace_covered``
     says so; elsewhere the closest measured form (its errors there in the NOTE)."""
     s, b, t, i, h, n = itemsize, batch, seq, input_size, hidden, layers
     d = 2 if bidirectional else 1
@@ -380,9 +380,9 @@ def cudnn_rnn_workspace_bytes(itemsize: int, input_size: int, hidden: int, layer
 
 
 def rnn_workspace_covered(input_size: int, hidden: int, layers: int, bidirectional: bool, seq: int) -> bool:
-    """Whether ``cudnn_rnn_workspace_bytes`` was found exact for such a stack (NOTE, item 5): a bidirectional stack whose
-    input is no wider than its hidden size; a one-directional layer of up to 256 or from 512 steps; a one-directional
-    stack of up to 256 steps whose input is no wider than its hidden size."""
+    """Whether ``cudnn_rnn_workspace_bytes`` was found exact for such a stack (NOTE, item 5a): a bidirectional stack
+    whose input is no wider than its hidden size; a one-directional layer of up to 256 or from 512 steps; a
+    one-directional stack of up to 256 steps whose input is no wider than its hidden size."""
     if bidirectional:
         return input_size <= hidden
     if layers == 1:
