@@ -447,6 +447,102 @@ def test_cuda_lstm_keeps_for_backward_what_cudnn_kept_on_an_h200(row: dict) -> N
     assert 256 <= reserve + y - (kept - states) <= 296  # cuDNN's alignment: 256-296 bytes in all 975 problems
 
 
+def _rnn_problems() -> list[dict]:
+    """The 975 recurrent problems measured on an H200 (``benchmarks/cudnn_workspaces.py --rnn-seconds``)."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/cudnn-H200-2026-11-28/rnn_events.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def _workspaces(row: dict) -> list[int]:
+    """The workspace of each cuDNN allocation in a problem's second step: the ``_cudnn_rnn`` block taken just before
+    the reserve (freed on return), then the two ``_cudnn_rnn_backward`` blocks freed as soon as taken."""
+    out = []
+    for call in row["calls"][1]:
+        events = call["events"]
+        allocs = [(i, size, block) for i, (action, size, block) in enumerate(events) if action == "alloc"]
+        if call["op"] == "_cudnn_rnn":
+            reserve = call["outputs"][3]
+            out += [size for (_, size, _), (_, nxt, _) in zip(allocs, allocs[1:]) if nxt == reserve][:1]
+        else:
+            out += [size for i, size, block in allocs
+                    if i + 1 < len(events) and events[i + 1][0] == "free_requested" and events[i + 1][2] == block]
+    return out
+
+
+def _standard_algo(row: dict) -> bool:
+    """PyTorch asks cuDNN for its standard algorithm, forward and backward (``get_algo`` in ``cudnn/RNN.cpp``): above
+    the persistent small-hidden kernels' 192 / 128 and, in fp16, outside the persistent heuristics (none sampled)."""
+    return row["hidden"] > 192 and not (
+        row["dtype"] == "fp16" and row["layers"] == 1 and not row["bidirectional"] and row["hidden"] <= 1024
+        and row["hidden"] % 128 == 0 and row["input"] % 128 == 0 and row["batch"] % 8 == 0 and row["batch"] <= 128)
+
+
+def test_cudnn_lstm_workspace_follows_the_rule_measured_on_an_h200() -> None:
+    """cuDNN's LSTM workspace (standard algorithm, no projection) against ``cudnn_rnn_workspace_bytes`` for every such
+    problem of the sample: each call's three allocations are one size, and where ``rnn_workspace_covered`` holds it is
+    the rule's, as the caching allocator rounds it, in all but the few stacks of one or two steps (and a handful
+    of hidden sizes that are no multiple of 16: a few bytes of alignment), never more than 3% above it; outside, the
+    rule stays within -5% and +25% of the GPU's."""
+    from batchfit.memory.kernels.cuda import cudnn_rnn_workspace_bytes, rnn_workspace_covered
+
+    counts = {"covered": 0, "exact": 0, "outside": 0}
+    for row in _rnn_problems():
+        if row["mode"] != "LSTM" or row["proj"] or not _standard_algo(row):
+            continue
+        sizes = _workspaces(row)
+        assert len(sizes) == 3 and len(set(sizes)) == 1  # forward, backward data, backward weights: one size
+        real = sizes[0]
+        itemsize = 4 if row["dtype"] == "fp32" else 2
+        rule = cudnn_rnn_workspace_bytes(itemsize, row["input"], row["hidden"], row["layers"], row["bidirectional"],
+                                         row["batch"], row["seq"])  # fmt: skip
+        if rnn_workspace_covered(row["input"], row["hidden"], row["layers"], row["bidirectional"], row["seq"]):
+            counts["covered"] += 1
+            counts["exact"] += round_size(rule) == round_size(real)
+            assert -0.03 <= (rule - real) / real <= 0
+        else:
+            counts["outside"] += 1
+            assert -0.05 <= (rule - real) / real <= 0.25
+    assert counts == {"covered": 220, "exact": 205, "outside": 27}
+
+
+def test_cudnn_lstm_workspace_of_the_recorded_steps() -> None:
+    """The workspaces of the two LSTM steps recorded on an H200 (three per step, ``snapshots-H200-2026-11-26``): the
+    2-layer bidirectional classifier (256 -> 512, batch 64 x 128 steps) and the 2-layer language model (512 -> 1024)."""
+    from batchfit.memory.kernels.cuda import cudnn_rnn_workspace_bytes
+
+    assert cudnn_rnn_workspace_bytes(4, 256, 512, 2, True, 64, 128) == 320865024
+    assert cudnn_rnn_workspace_bytes(4, 512, 1024, 2, False, 64, 128) == 265290496
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_cuda_lstm_takes_cudnn_workspace_in_forward_and_twice_in_backward(bidirectional: bool) -> None:
+    """One transient of the rule's size inside the stack's forward, two in its backward (data, then weights), each
+    sized again at another batch size from the stack's geometry (the rule rounds the batch: not a line)."""
+    from batchfit.memory.kernels.cuda import cudnn_rnn_workspace_bytes
+    from batchfit.memory.synthesis.scaling import TraceLine
+
+    def workspaces(t: MemoryTrace, phase: str) -> list[int]:
+        start, end = _phase_bounds(t, phase, 1)
+        return [s for s in t.events[start:end] if s >= 0 and "cuDNN RNN workspace" in str(t.op.get(s))]
+
+    low, _ = trace(_lstm_workload(bidirectional), 6, "H200")
+    high, _ = trace(_lstm_workload(bidirectional), 13, "H200")
+    expected = cudnn_rnn_workspace_bytes(F32, 16, 32, 2, bidirectional, 6, 10)
+    forward, backward = workspaces(low, "forward"), workspaces(low, "backward")
+    assert [low.nbytes[s] for s in forward + backward] == [expected] * 3
+    assert [low.op[s] for s in backward] == ["cuDNN RNN workspace (backward data)",
+                                             "cuDNN RNN workspace (backward weights)"]  # fmt: skip
+    assert all(~s in low.events[low.events.index(s) + 1 :][:1] for s in forward + backward)  # freed at once
+    predicted = TraceLine(low, 6, high, 13).at(11)
+    assert predicted.nbytes[workspaces(high, "forward")[0]] == cudnn_rnn_workspace_bytes(F32, 16, 32, 2, bidirectional,
+                                                                                         11, 10)  # fmt: skip
+
+
 def test_cpu_lstm_counts_onednn_workspace() -> None:
     t, _ = trace(_lstm_workload(False), 8, "cpu")
     start, end = _phase_bounds(t, "forward", 1)

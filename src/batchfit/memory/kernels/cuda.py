@@ -77,9 +77,37 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
    the next layer's backward, or as ``y``), so each layer and direction's ``workspace`` becomes the rest
    of its share, ``U - 1`` units (``U - 2`` above the first layer of a bidirectional stack, whose input,
    the concatenation of the two directions below, the trace keeps too), and the stack's total is the
-   GPU's to within those 256-296 bytes. The call's transient cuDNN workspace (taken in the forward and
-   twice in the backward, as large as the reserve and often larger) follows no rule those problems show
-   and is not modelled: the recurrent family's known error keeps it free (``planning/known_error.py``).
+   GPU's to within those 256-296 bytes.
+   5a. cuDNN's transient workspace. ``_cudnn_rnn`` takes a workspace after its outputs and frees it on return;
+   ``_cudnn_rnn_backward`` takes one for the data's gradient (before the weights' gradient buffer) and one for
+   the weights' (after it), each freed at once. RNN.cpp asks ``cudnnGetRNNTempSpaceSizes`` the same question
+   (training mode) all three times, so the three have one size where the forward and the backward pick the
+   same algorithm (all 963 such problems): the standard one, unless the hidden size is small enough for the
+   persistent small-H kernels (LSTM: up to 192 forward, 128 backward) or an fp16 stack meets the persistent
+   heuristics. It is as large as the reserve and often larger (a 2-layer bidirectional LSTM, 256 -> 512 at
+   64 x 128: 306 MiB beside a 352 MiB reserve), so a step that left it out allocated 32% more on an H200 than
+   estimated, and reserved 39% more. cuDNN does not publish its size; read off the same problems, for an LSTM
+   without projection on the standard algorithm, with T steps, B sequences, input width I, hidden size H, L
+   layers, D directions and s bytes per element, W the weight buffer's bytes and C = 8 MiB:
+   ``W + 256 + 32 ceil(B/4) + TBs (I + 5H) + L (C + (10B - 8) H s)`` for a one-directional stack,
+   with, in a single layer, the last term ``C + max((10B - 8) H s, 2 TBs (I - H) + (11B - 8) H s)``, and from
+   512 steps on ``W + 256 + 32 ceil(B/4) + C + (11B - 8) H s + TBs (2I + 4H + max(0, I - H))``; and
+   ``W + 256 + 32 ceil(B/4) + TBs (I + 14H) + 2L (C + (12B - 8) H s)`` for a bidirectional one
+   (``cudnn_rnn_workspace_bytes``). As the allocator rounds it, that is the GPU's size in 205 of the 220
+   recorded stacks it covers (fp32 88 of 94, bf16 92 of 99, fp16 25 of 27; ``rnn_workspace_covered``: the
+   input no wider than the hidden size, except for one-directional single layers, and one-directional stacks
+   of up to 256 or, single, from 512 steps); of the others, most are stacks of one or two steps (the GPU's up
+   to 2.7% larger), the rest a few bytes of alignment. Outside (27 stacks: a wider input in a deeper or
+   bidirectional stack, 257-511 steps unmeasured, deeper one-directional stacks from 512 steps) it is the
+   closest form measured: -5% to +24% of the GPU's. The small-H kernels take another size (the rule: -54% to
+   0% of it in fp32, -69% to 0% in fp16, -14% to +4% in bf16; the trace uses it there too), no fp16 stack of
+   the sample met the persistent heuristics, and an LSTM with a projection runs cell by cell on the CPU, so
+   is not traced as cuDNN's stack. ``benchmarks/cudnn_rnn_sizes.py`` asks cuDNN itself over a dense grid, to
+   pin what the sample leaves open. The trace takes the workspace as transient scratch after the stack's last layer
+   in the forward (its outputs and reserve alive, as on the GPU), after the first layer run backward and
+   after the last, each sized again at another batch size or length from the stack's geometry
+   (``RnnWorkspace``: the size rounds the batch and takes a maximum, so it is not a line). The two steps of
+   ``benchmarks/gpu_truth.py`` with LSTMs then allocate within 0.2% of an H200 and reserve within 2.0%.
 6. Grouped GEMM. ``_grouped_mm`` (mixture-of-experts layers) on CUDA pads the last dimension of its
    output to a 16-byte multiple (``_create_grouped_mm_output_tensor`` in ``_meta_registrations.py``,
    which mirrors the CUDA kernel's ``create_grouped_gemm_output_tensor``); the CPU kernel does not.
@@ -106,8 +134,9 @@ NOTE [ CPU and CUDA kernels that keep different memory ]
 Limitations:
     cuBLASLt's workspace is not modelled apart from cuBLAS's unless a device profile measured it
     (``batchfit calibrate`` folds it into the per-handle workspace); cuDNN's RNN reserve is modelled,
-    its transient workspace is not; cuDNN convolution workspaces are an assumption unless a device
-    profile measured them.
+    and its transient workspace for LSTMs by a rule measured on one GPU and cuDNN (H200, 9.19: item 5a),
+    exact where it was found so and the closest measured form elsewhere; cuDNN convolution workspaces are
+    an assumption unless a device profile measured them.
 """
 
 from __future__ import annotations
@@ -146,6 +175,9 @@ _GEMMS = frozenset(
 _ATTENTION_BACKWARD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
                               "default", None)  # fmt: skip
 """The backward of the kernel attention is routed to (NOTE, item 2); CUDA's fused one takes a workspace (2b)."""
+_RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
+_RNN_LAYER_BACKWARD = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer_backward", None), "default", None)
+"""One layer and direction of a CPU LSTM, forward and backward: on CUDA one cuDNN call runs the stack (NOTE, item 5)."""
 
 
 class _WatchedOps:
@@ -168,13 +200,16 @@ class CudaKernels:
     """
 
     watched_ops = _WatchedOps(_GEMMS | cudnn.OPS | cuda_reduce.OPS | cuda_reduce.BATCH_NORM_OPS
-                              | {_ATTENTION_BACKWARD} - {None})  # fmt: skip
+                              | {_ATTENTION_BACKWARD, _RNN_LAYER, _RNN_LAYER_BACKWARD} - {None})  # fmt: skip
     """The ops ``after_op`` acts on (the tracer calls it for no other)."""
 
     def __init__(self, device: Device, cudnn_flags: cudnn.CudnnFlags | None = None) -> None:
         self.device = device
         self._handles: set[str] = set()
         self._rnn_calls = 0  # mkldnn_rnn_layer calls into the current stack (NOTE, item 5)
+        self._rnn_backward_calls = 0  # mkldnn_rnn_layer_backward calls into the current stack
+        self._rnn_stacks: list[RnnWorkspace] = []  # the workspaces of stacks run forward and not yet backward
+        self._rnn_input = 0  # the input width of the stack's first layer
         flags = cudnn_flags if cudnn_flags is not None else cudnn.CudnnFlags.current()
         if device.cudnn_benchmark and not flags.benchmark:
             flags = dataclasses.replace(flags, benchmark=True)
@@ -204,6 +239,9 @@ class CudaKernels:
                 sid = tracer.add_scratch(upcast.sizes()[0], "batch norm statistics in float32", transient=True)
                 tracer.sized_by(sid, upcast, 0)
             return
+        if func is _RNN_LAYER or func is _RNN_LAYER_BACKWARD:  # NOTE, item 5: cuDNN's transient workspace
+            self._rnn_workspace(tracer, func, args)
+            return
         if func is _ATTENTION_BACKWARD:  # NOTE, item 2b
             nbytes = attention_backward_workspace(args)
             if nbytes:
@@ -223,6 +261,38 @@ class CudaKernels:
             return
         self._handles.add(handle)
         tracer.add_scratch(self.device.cublas_workspace_bytes, f"cuBLAS workspace ({handle})", transient=False)
+
+    def _rnn_workspace(self, tracer: Any, func: Any, args: tuple) -> None:
+        """cuDNN's workspace, taken and freed inside the stack's one ``_cudnn_rnn`` call (after the last layer's
+        outputs, all of them alive there as on the GPU) and twice inside its ``_cudnn_rnn_backward``: for the data's
+        gradient before any weight's gradient (after the first layer run backward), for the weights' after them all
+        (after the last). Counted in layer calls, as ``fix_outputs`` counts the forward's (NOTE, item 5a)."""
+        if func is _RNN_LAYER:
+            if len(args) < 16 or not isinstance(args[0], torch.Tensor):
+                return
+            calls = max(1, int(args[11])) * (2 if args[13] else 1)
+            index = (self._rnn_calls - 1) % calls  # this call's place in its stack (``fix_outputs`` counted it)
+            if index == 0:
+                self._rnn_input = int(args[0].shape[-1])  # the first layer reads the stack's input
+            if index != calls - 1 or not args[15]:  # not the stack's last call, or not training
+                return
+            ws = rnn_workspace_of(args, self._rnn_input)
+            if ws is None:
+                return
+            self._rnn_stacks.append(ws)
+            _add_rnn_workspace(tracer, ws, "cuDNN RNN workspace (forward)")
+            return
+        if len(args) < 20:
+            return
+        calls = max(1, int(args[16])) * (2 if args[19] else 1)
+        first, last = self._rnn_backward_calls == 0, self._rnn_backward_calls == calls - 1
+        self._rnn_backward_calls = (self._rnn_backward_calls + 1) % calls
+        ws = self._rnn_stacks[-1] if self._rnn_stacks else None
+        if first and ws is not None:
+            _add_rnn_workspace(tracer, ws, "cuDNN RNN workspace (backward data)")
+        if last and ws is not None:
+            self._rnn_stacks.pop()
+            _add_rnn_workspace(tracer, ws, "cuDNN RNN workspace (backward weights)")
 
     def fix_outputs(self, tracer: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """Lay out outputs as the CUDA kernel makes them (NOTE, items 5-6)."""
@@ -256,7 +326,6 @@ class CudaKernels:
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 
 # -- 5. recurrent layers: cuDNN's reserve space ------------------------------------------------------
-_RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
 RESERVE_UNITS = {0: 2, 1: 2, 2: 6, 3: 7}
 """cuDNN's reserve per layer, direction and time step, in hidden-size vectors, by mode (RNN_RELU, RNN_TANH, LSTM,
 GRU), as measured (NOTE, item 5)."""
@@ -280,6 +349,91 @@ def _with_reserve(args: tuple, out: Any, takes_concatenation: bool) -> Any:
     nbytes = cudnn_rnn_reserve_bytes(rows, hidden, mode, x.element_size(), takes_concatenation)
     reserve = torch.empty(nbytes, dtype=torch.uint8)
     return (*out[:3], reserve)
+
+
+# -- 5. recurrent layers: cuDNN's transient workspace -------------------------------------------------
+_CUDNN_LSTM = 2
+_RNN_CONSTANT = 8 << 20
+"""A fixed 8 MiB in each layer and direction's share of the workspace (NOTE, item 5a)."""
+
+
+def cudnn_rnn_workspace_bytes(itemsize: int, input_size: int, hidden: int, layers: int, bidirectional: bool,
+                              batch: int, seq: int) -> int:  # fmt: skip
+    """The workspace ``cudnnGetRNNTempSpaceSizes`` gives a cuDNN LSTM without projection (standard algorithm, dropout
+    off, padded I/O, as ``aten/src/ATen/native/cudnn/RNN.cpp`` describes it) on an H200 with cuDNN 9.19, for the whole
+    stack; ``_cudnn_rnn`` and both halves of ``_cudnn_rnn_backward`` take one of this size. ``itemsize``: the input's
+    dtype. Measured rule (NOTE, item 5a): to the byte, after the allocator's rounding, where ``rnn_workspace_covered``
+    says so; elsewhere the closest measured form (its errors there in the NOTE)."""
+    s, b, t, i, h, n = itemsize, batch, seq, input_size, hidden, layers
+    d = 2 if bidirectional else 1
+    tbs = t * b * s
+    weights = sum(d * (4 * h * ((i if layer == 0 else d * h) + h) + 8 * h) * s for layer in range(n))
+    base = weights + 256 + 32 * -(-b // 4)
+    if d == 2:
+        return base + tbs * (i + 14 * h) + 2 * n * (_RNN_CONSTANT + (12 * b - 8) * h * s) + 4 * tbs * max(0, i - h)
+    if n == 1 and t >= 512:
+        return base + _RNN_CONSTANT + (11 * b - 8) * h * s + tbs * (2 * i + 4 * h + max(0, i - h))
+    per_layer = n * (_RNN_CONSTANT + (10 * b - 8) * h * s)
+    if n == 1:
+        return base + tbs * (i + 5 * h) + max(per_layer, _RNN_CONSTANT + 2 * tbs * (i - h) + (11 * b - 8) * h * s)
+    return base + tbs * (i + 5 * h) + per_layer + 2 * tbs * max(0, i - h)
+
+
+def rnn_workspace_covered(input_size: int, hidden: int, layers: int, bidirectional: bool, seq: int) -> bool:
+    """Whether ``cudnn_rnn_workspace_bytes`` was found exact for such a stack (NOTE, item 5a): a bidirectional stack
+    whose input is no wider than its hidden size; a one-directional layer of up to 256 or from 512 steps; a
+    one-directional stack of up to 256 steps whose input is no wider than its hidden size."""
+    if bidirectional:
+        return input_size <= hidden
+    if layers == 1:
+        return seq <= 256 or seq >= 512
+    return seq <= 256 and input_size <= hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class RnnWorkspace:
+    """A traced LSTM stack as cuDNN sizes its workspace: the sizes of ``cudnn_rnn_workspace_bytes``. Sized again at
+    another batch size or sequence length as a CUDA reduction is (``numbers``, ``with_numbers``, ``sizes``): the size
+    is not affine in either (it rounds the batch and takes a maximum)."""
+
+    itemsize: int
+    input_size: int
+    hidden: int
+    layers: int
+    bidirectional: bool
+    batch: int
+    seq: int
+
+    def sizes(self) -> tuple[int]:
+        if self.batch <= 0 or self.seq <= 0:
+            return (0,)
+        return (cudnn_rnn_workspace_bytes(self.itemsize, self.input_size, self.hidden, self.layers,
+                                          self.bidirectional, self.batch, self.seq),)  # fmt: skip
+
+    def numbers(self) -> tuple[int, ...]:
+        return (self.batch, self.seq)
+
+    def with_numbers(self, numbers: list[int] | tuple[int, ...]) -> RnnWorkspace:
+        return dataclasses.replace(self, batch=int(numbers[0]), seq=int(numbers[1]))
+
+
+def rnn_workspace_of(args: tuple, input_size: int) -> RnnWorkspace | None:
+    """The workspace of the cuDNN call that runs the stack whose ``mkldnn_rnn_layer`` calls take ``args`` (any of them:
+    batch, length, hidden size and depth are the stack's) and whose first layer reads ``input_size`` features (None:
+    not an LSTM, or a packed sequence, whose lengths cuDNN sizes it by)."""
+    x, mode, hidden, layers, bidirectional = args[0], args[9], args[10], args[11], args[13]
+    if mode != _CUDNN_LSTM or not isinstance(x, torch.Tensor) or x.dim() != 3 or list(args[8] or []):
+        return None
+    seq, batch = x.shape[0], x.shape[1]  # time-major whatever ``batch_first`` says: ``nn.LSTM`` transposes first
+    return RnnWorkspace(x.element_size(), int(input_size), int(hidden), max(1, int(layers)), bool(bidirectional),
+                        int(batch), int(seq))  # fmt: skip
+
+
+def _add_rnn_workspace(tracer: Any, ws: RnnWorkspace, label: str) -> None:
+    nbytes = ws.sizes()[0]
+    if nbytes > 0:
+        sid = tracer.add_scratch(nbytes, label, transient=True)
+        tracer.sized_by(sid, ws, 0)
 
 
 # -- 6. grouped GEMM ------------------------------------------------------------------------------------
