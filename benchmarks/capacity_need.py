@@ -6,8 +6,9 @@ allocator gives back when memory runs short, but the least capacity at which the
 script measures that quantity on both sides for every recorded step that ran (``benchmarks/results/snapshots-*``
 with the rows of the CSVs beside them): the GPU's stream is replayed through the allocator model (exact against
 the GPU's own decisions, ``benchmarks/snapshot_replay.py``) at decreasing capacities, and so is the trace of the
-same step; each capacity is the smallest (to 2 MiB, a large segment's granularity) at which both address orders
-finish (NOTE [ Fits whatever addresses the driver gives ]). A negative shortfall is capacity the GPU needed and
+same step; each capacity is the smallest (to 2 MiB, a large segment's granularity) at which the replay finishes in
+the order of segment addresses ``fit`` uses for the row's torch (NOTE [ Fits whatever addresses the driver gives ]),
+the trace's cuDNN workspaces optional as in ``fit``'s replay. A negative shortfall is capacity the GPU needed and
 the trace did not: what ``fit`` would have to keep free for the step's family (``planning/known_error.py``).
 
 The GPU's stream is a fixed sequence: replayed at a capacity below the one it ran under, a cuDNN workspace that
@@ -61,32 +62,32 @@ def recorded_rows() -> dict[str, dict[str, str]]:
     return rows
 
 
-def completes(calls: list[tuple[bool, int, int]], capacity: int) -> bool:
-    """Whether ``calls`` finish within ``capacity`` bytes in both address orders."""
+def completes(calls: Any, capacity: int, descending: bool) -> bool:
+    """Whether ``calls`` (``replay``'s events) finish within ``capacity`` bytes, new segments' addresses
+    descending or not (the order ``fit`` replays for the row's torch: ``memory/estimate.allocator_tie_order``)."""
     from batchfit.memory.allocator.caching import replay
 
-    return all(replay(calls, capacity_bytes=capacity, descending_addresses=d).oom_at_event is None
-               for d in (False, True))  # fmt: skip
+    return replay(calls, capacity_bytes=capacity, descending_addresses=descending).oom_at_event is None
 
 
-def smallest_capacity(calls: list[tuple[bool, int, int]]) -> int:
+def smallest_capacity(calls: Any, descending: bool) -> int:
     """The least capacity (a multiple of 2 MiB) at which ``calls`` complete: at least their allocated peak, at most
     their unbounded reserved peak, which always suffices."""
     from batchfit.memory.allocator.caching import replay
 
-    unbounded = [replay(calls, descending_addresses=d) for d in (False, True)]
-    lo = -(-unbounded[0].peak_allocated_bytes // (2 * MiB)) - 1  # below the allocated peak: never completes
-    hi = max(r.peak_reserved_bytes for r in unbounded) // (2 * MiB) + 1
+    unbounded = replay(calls, descending_addresses=descending)
+    lo = -(-unbounded.peak_allocated_bytes // (2 * MiB)) - 1  # below the allocated peak: never completes
+    hi = unbounded.peak_reserved_bytes // (2 * MiB) + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if completes(calls, mid * 2 * MiB) else (mid, hi)
+        lo, hi = (lo, mid) if completes(calls, mid * 2 * MiB, descending) else (mid, hi)
     return hi * 2 * MiB
 
 
 def measure(path: Path, row: dict[str, str], truth: Any) -> dict[str, Any] | None:
     """The row's two smallest capacities and the trace's families (None: not a step that ran, or no case)."""
-    from batchfit.memory.allocator.stream_replay import load_snapshot
-    from batchfit.memory.estimate import trace_for_device
+    from batchfit.memory.allocator.stream_replay import load_snapshot, tie_order_for
+    from batchfit.memory.estimate import _storage_events, trace_for_device
     from batchfit.planning.known_error import families
     from batchfit.precision import policy_for
 
@@ -101,7 +102,9 @@ def measure(path: Path, row: dict[str, str], truth: Any) -> dict[str, Any] | Non
     c = truth.BY_NAME[case]
     workload = c.make()
     trace = trace_for_device(workload, batch, device, policy, checkpoint_classes(c.blocks, workload.checkpoint_blocks))
-    gpu, traced = smallest_capacity(real_calls(load_snapshot(path))), smallest_capacity(list(trace.allocations()))
+    descending = tie_order_for(row.get("torch") or None) == "address"
+    gpu = smallest_capacity(real_calls(load_snapshot(path)), descending)
+    traced = smallest_capacity(_storage_events(trace, fallbacks=True), descending)  # as the estimate replays it
     return {"case": case, "precision": precision, "batch": batch, "cap": named.group(4), "gpu": gpu, "trace": traced,
             "shortfall": (traced - gpu) / gpu, "families": sorted(families(trace))}  # fmt: skip
 

@@ -30,6 +30,7 @@ summary adds a table per class of model (transformers, LoRA, CNNs, RNNs, MoE) wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gzip
 import json
@@ -40,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import date
 from functools import partial
@@ -785,8 +786,9 @@ def _refit(row: dict[str, Any], workloads: dict[str, Any], devices: dict[tuple[s
     try:
         workload = workloads.setdefault(row["case"], case.make())
         device = _replay_device(row["gpu"], row.get("capacity"), None, devices)[0]
-        row["fit_est_max"] = batchfit.fit(workload, device, precision=row["precision"],
-                                          checkpointing=case.blocks).max_batch_size  # fmt: skip
+        with allocator_of(row.get("torch")):
+            row["fit_est_max"] = batchfit.fit(workload, device, precision=row["precision"],
+                                              checkpointing=case.blocks).max_batch_size  # fmt: skip
         row.pop("fit_est_max_profile", None)  # a profile of the GPU is not replayed
         row["fit_ratio"] = row["fit_est_max"] / row["fit_real_max"]
     except Exception as e:  # noqa: BLE001 - an error row, the others still run
@@ -823,12 +825,31 @@ def replay_row(old: dict[str, str], profile_path: str | None = None,
         device, profiled = _replay_device(old["gpu"], old.get("capacity"), profile_path, devices)
         if old["case"] not in workloads:
             workloads[old["case"]] = BY_NAME[old["case"]].make()
-        row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled,
-                              BY_NAME[old["case"]].blocks))  # fmt: skip
+        with allocator_of(old.get("torch")):
+            row.update(_estimates(workloads[old["case"]], int(old["batch"]), old["precision"], device, profiled,
+                                  BY_NAME[old["case"]].blocks))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - an error row, the others still run
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     _add_errors(row)
     return row
+
+
+@contextlib.contextmanager
+def allocator_of(torch_version: str | None) -> Iterator[None]:
+    """Estimates made meanwhile replay the caching allocator of the torch that measured the row (its tie order
+    between equal free blocks changed in 2.13: ``memory/estimate.allocator_tie_order``); None: the installed one."""
+    from batchfit.memory.estimate import ALLOCATOR_TORCH
+
+    saved = os.environ.get(ALLOCATOR_TORCH)
+    if torch_version:
+        os.environ[ALLOCATOR_TORCH] = torch_version
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ALLOCATOR_TORCH, None)
+        else:
+            os.environ[ALLOCATOR_TORCH] = saved
 
 
 def _number(value: str) -> Any:

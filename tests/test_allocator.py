@@ -567,22 +567,56 @@ def test_which_of_two_equal_free_blocks_is_reused_follows_the_segments_addresses
     assert ascending.peak_reserved_bytes == (s + head) + g  # the whole free segment released, the new one made
 
 
-def test_an_estimate_fits_only_where_both_orders_of_addresses_run() -> None:
-    """NOTE [ Fits whatever addresses the driver gives ]: either order running out of memory means no fit; where
-    both run, the larger reserved peak is the estimate's."""
-    from batchfit.memory.estimate import _bounded_replay
+class _Stream:
+    """A trace's timeline as ``MemoryTrace`` keeps it: storage ids, ``~sid`` for a free, sizes and op labels by id."""
 
-    class Stream:
-        """A trace's timeline as ``MemoryTrace`` keeps it: storage ids, ``~sid`` for a free, sizes by id."""
+    def __init__(self, events: list[tuple[bool, int, int]], op: dict[int, str] | None = None) -> None:
+        self.events = [key if is_alloc else ~key for is_alloc, key, _ in events]
+        self.nbytes = {key: nbytes for is_alloc, key, nbytes in events if is_alloc}
+        self.paged: set[int] = set()
+        self.op = op or {}
 
-        def __init__(self, events: list[tuple[bool, int, int]]) -> None:
-            self.events = [key if is_alloc else ~key for is_alloc, key, _ in events]
-            self.nbytes = {key: nbytes for is_alloc, key, nbytes in events if is_alloc}
-            self.paged: set[int] = set()
 
+@pytest.mark.parametrize(("release", "runs"), [("2.11", False), ("2.12", False), ("2.13", True), ("2.14", True)])
+def test_an_estimate_replays_the_tie_order_of_the_allocators_torch(monkeypatch, release: str, runs: bool) -> None:
+    """NOTE [ Fits whatever addresses the driver gives ]: up to torch 2.12 the newest segment lies lowest and its
+    block is reused first, which leaves nothing to release; from 2.13 the oldest segment's block is, and the step
+    runs (``BATCHFIT_ALLOCATOR_TORCH`` names the release)."""
+    from batchfit.memory.estimate import ALLOCATOR_TORCH, _bounded_replay
+
+    monkeypatch.setenv(ALLOCATOR_TORCH, release)
     s, head, g = 64 * MiB, 20 * MiB, 100 * MiB
     events = _order_decides(s, head, g)
-    assert _bounded_replay(Stream(events), 2 * s + head + g - 2 * MiB, False) is None
-    both = _bounded_replay(Stream(events), 4 * s + head + g, False)
-    assert both is not None
-    assert both.peak_reserved_bytes == max(replay(events, descending_addresses=d).peak_reserved_bytes for d in (0, 1))
+    replayed = _bounded_replay(_Stream(events), 2 * s + head + g - 2 * MiB, False)
+    assert (replayed is not None) is runs
+    if replayed is not None:
+        assert replayed.peak_reserved_bytes == (s + head) + g
+
+
+def test_a_torch_release_that_cannot_be_read_is_one_error_naming_the_setting(monkeypatch) -> None:
+    from batchfit.errors import ConfigError
+    from batchfit.memory.estimate import ALLOCATOR_TORCH, allocator_tie_order
+
+    monkeypatch.setenv(ALLOCATOR_TORCH, "newest")
+    with pytest.raises(ConfigError, match="BATCHFIT_ALLOCATOR_TORCH='newest' names no torch release"):
+        allocator_tie_order()
+
+
+def test_a_cudnn_workspace_that_does_not_fit_is_done_without() -> None:
+    """NOTE [ A workspace cuDNN can do without ]: an optional allocation that runs out of memory (after the cache
+    was released and the request retried) is counted as an out-of-memory error and skipped with its free; the step
+    goes on. The same request not optional ends the replay there."""
+    from batchfit.memory.allocator.caching import StorageEvents
+    from batchfit.memory.estimate import _bounded_replay
+    from batchfit.memory.kernels.cudnn import WORKSPACE
+
+    act, ws, grad = 40 * MiB, 60 * MiB, 30 * MiB
+    events = [(True, 1, act), (True, 2, ws), (False, 2, 0), (True, 3, grad), (False, 1, 0), (False, 3, 0)]
+    timeline = _Stream(events, {2: f"{WORKSPACE} (forward)"})
+    capacity = act + grad + 20 * MiB  # room for the step's tensors, not for the workspace beside them
+    kept = replay(StorageEvents(timeline.events, timeline.nbytes), capacity_bytes=capacity)
+    assert kept.oom_at_event == 1
+    done = _bounded_replay(timeline, capacity, False)
+    assert done is not None
+    assert (done.num_ooms, done.num_alloc_retries, done.peak_allocated_bytes) == (1, 1, act + grad)
+    assert _bounded_replay(_Stream(events), capacity, False) is None  # the same request, not a workspace

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..activation_checkpointing import Selective, SelectiveRest, selected_blocks, without_selection
 from ..batching import check_batch_size
+from ..errors import ConfigError
 from ..gpu.catalog import Device
 from ..precision import PrecisionPolicy
 from .allocator.caching import AllocatorStats, StorageEvents, replay, round_size
+from .allocator.stream_replay import tie_order_for
 from .analytic import analytic_estimate
 from .cache import CACHE, Uncacheable, trace_key
 from .categories import ORDER, Category
@@ -192,20 +195,36 @@ def estimate_from_trace(
     ``device_total_bytes > capacity`` says "does not fit" in both the estimate and the fitter.
 
     NOTE [ Fits whatever addresses the driver gives ]
-    Where the driver places a new segment is not the allocator's choice and not knowable off the GPU: the
-    recorded H200 streams placed new segments below every earlier one in some processes and above in
-    others (``memory/allocator/caching.py``). The caching allocator breaks ties between free blocks of
-    equal size by address, so near the capacity the same requests can run in one order and run out of
-    memory in the other: a Llama-3.1-8B LoRA step at 15 items (2048 tokens, capped at an H100-80GB's
-    capacity) ran out of memory on the GPU, whose addresses descended, and runs with ascending ones. The
-    bounded replay is therefore made in both orders; the step fits only where both run to the end, and the
-    larger of their reserved peaks is reported. Traced with the GPU's transformers, the 8B step at 14 items
-    reserves in the descending replay what the GPU did to the byte, and the Qwen2.5-7B steps at 7 and 8 items
-    4 MiB and 2 MiB less than the GPU in the order it used.
+    The caching allocator breaks ties between free blocks of equal size, and near the capacity that decides
+    whether a large request finds a block: a Llama-3.1-8B LoRA step at 15 items (2048 tokens, capped at an
+    H100-80GB's capacity) runs or runs out of memory by which of two equal free blocks was split. From torch
+    2.13 the tie goes to the oldest segment (``stream_replay.tie_order_for``), which is the model's replay with
+    increasing segment addresses: the bounded replay is made so. Up to 2.12 it goes to the lowest address, and
+    where the driver puts a new segment is not knowable off the GPU. The recorded H200 streams (torch 2.11)
+    placed the first segments of a process below or above the earlier ones, and after an out-of-memory retry had
+    released cached segments the driver put most new ones back into the freed ranges, so that the newest segments
+    often lie lowest. The replay in which each new segment lies below every earlier one decided as those GPUs did
+    in every recorded step where the two orders disagree (capped at an H100's capacity: the 8B LoRA at 15, out of
+    memory; the Qwen2.5-7B LoRA at 7 and 8 items, run twice, once in a process whose segments ascended; the
+    two-layer QLoRA base at 7, out of memory; VGG-16 at 60), and gave the Llama-shaped decoder's reserved peak
+    where increasing addresses give 8% less. Up to 2.12 the bounded replay is therefore made with descending
+    addresses. ``BATCHFIT_ALLOCATOR_TORCH=2.11`` replays the allocator of another release than the installed one
+    (a GPU whose torch differs; ``benchmarks/gpu_truth.py --replay`` does it for each recorded row).
+
+    NOTE [ A workspace cuDNN can do without ]
+    A cuDNN convolution whose engine's workspace cannot be allocated (after the allocator released its cache and
+    retried) does not fail the step: PyTorch catches the out-of-memory error and runs the next engine in cuDNN's
+    list, which needs less (``memory/kernels/cudnn.py``, NOTE item 6). The bounded replay takes each traced cuDNN
+    workspace as optional: where it does not fit, the step goes on without it (the engines a GPU fell back to in
+    the recorded VGG-16 streams took 0 to 240 MiB where the one refused wanted about 1 GiB). Capped at 8 GiB on an
+    H200, that puts the largest batch the model fits next to the GPU's: VGG-16 81 (the GPU ran 80, not 81),
+    Inception v3 81 (81 ran, 82 did not), the ResNet-18 shape 35 (36 did not); with every workspace kept, fit
+    answered 51 for VGG-16. The estimate's notes say how many workspaces were refused.
     """
     rounded = not device.exact
     reading = read_peak(trace, rounded=rounded)
     blocks: int | None = None
+    notes = list(trace.notes)
     if device.exact:
         reserved, context, retries = reading.peak_bytes, 0, 0
     else:
@@ -217,6 +236,9 @@ def estimate_from_trace(
             stats = _bounded_replay(trace, limit, expandable_segments)
         if stats is None:
             stats = replay(_storage_events(trace), expandable_segments=expandable_segments)
+        elif stats.num_ooms:  # NOTE [ A workspace cuDNN can do without ]
+            notes.append(f"{stats.num_ooms} cuDNN convolution workspace{'s' if stats.num_ooms != 1 else ''} did not "
+                         f"fit at the capacity: cuDNN falls back to engines that need less (slower), as on the GPU")
         reserved, retries, blocks = stats.peak_reserved_bytes, stats.num_alloc_retries, stats.peak_allocated_bytes
     paged = paged_bytes(trace)
     phase, step = trace.phase_at(reading.event_index)
@@ -243,7 +265,7 @@ def estimate_from_trace(
         analytic=analytic or {},
         num_alloc_retries=retries,
         accumulation_steps=accumulation_steps,
-        notes=tuple(trace.notes),
+        notes=tuple(notes),
         context_source="" if device.exact else device.context_source,
         context_assumption="" if device.exact else device.describe_context(),
         cudnn_workspace_bytes=conv_workspace,
@@ -252,22 +274,41 @@ def estimate_from_trace(
     )
 
 
-def _storage_events(trace: MemoryTrace) -> StorageEvents:
-    """``trace.allocations()`` as ``replay`` takes it without a tuple per event."""
-    return StorageEvents(trace.events, trace.nbytes, trace.paged)
+def _storage_events(trace: MemoryTrace, fallbacks: bool = False) -> StorageEvents:
+    """``trace.allocations()`` as ``replay`` takes it without a tuple per event; ``fallbacks``: its cuDNN
+    convolution workspaces are optional (NOTE [ cuDNN convolution workspaces ], item 6)."""
+    optional = frozenset(sid for sid, op in trace.op.items() if op.startswith(WORKSPACE)) if fallbacks else frozenset()
+    return StorageEvents(trace.events, trace.nbytes, trace.paged, optional)
+
+
+ALLOCATOR_TORCH = "BATCHFIT_ALLOCATOR_TORCH"
+"""Names the torch release whose caching allocator runs the step, where it is not the installed one (``2.11``)."""
+
+
+def allocator_tie_order() -> str:
+    """How the caching allocator that runs the step orders free blocks of one size (``address`` or ``segment``,
+    ``stream_replay.tie_order_for``): the installed torch's, or the release ``BATCHFIT_ALLOCATOR_TORCH`` names (a
+    GPU with another torch, or a measurement made with one and replayed here).
+
+    Raises:
+        ConfigError: ``BATCHFIT_ALLOCATOR_TORCH`` names no torch release.
+    """
+    named = os.environ.get(ALLOCATOR_TORCH) or None
+    try:
+        return tie_order_for(named)
+    except ConfigError:
+        raise ConfigError(f"{ALLOCATOR_TORCH}={named!r} names no torch release: set it to one such as 2.11, "
+                          f"or unset it to replay the installed torch's allocator") from None
 
 
 def _bounded_replay(trace: MemoryTrace, limit: int, expandable_segments: bool) -> AllocatorStats | None:
-    """The trace replayed with the capacity in both orders of segment addresses, the one that reserved more;
-    None when either runs out of memory (NOTE [ Fits whatever addresses the driver gives ])."""
-    runs = []
-    for descending in (False, True):
-        stats = replay(_storage_events(trace), capacity_bytes=limit, expandable_segments=expandable_segments,
-                       descending_addresses=descending)  # fmt: skip
-        if stats.oom_at_event is not None:
-            return None
-        runs.append(stats)
-    return max(runs, key=lambda r: r.peak_reserved_bytes)
+    """The trace replayed with the capacity, in the order of segment addresses of the allocator's torch, cuDNN's
+    workspaces optional; None when it runs out of memory (NOTE [ Fits whatever addresses the driver gives ], NOTE
+    [ A workspace cuDNN can do without ])."""
+    descending = allocator_tie_order() == "address"
+    stats = replay(_storage_events(trace, fallbacks=True), capacity_bytes=limit,
+                   expandable_segments=expandable_segments, descending_addresses=descending)  # fmt: skip
+    return None if stats.oom_at_event is not None else stats
 
 
 def paged_bytes(trace: MemoryTrace) -> int:

@@ -19,6 +19,7 @@ from ..activation_checkpointing import Checkpointing
 from ..errors import ConfigError
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
+from ..memory.estimate import allocator_tie_order
 from ..runtime.simulated import SimulatedDevice
 from ..sources import as_workload
 from ..workload import AUTO, ParallelLayout, Setup, Workload
@@ -131,7 +132,7 @@ def fit(
     dev = device_budget(device, margin)[0]  # type: ignore[arg-type]
     policy = setup.policy(dev)
     settings: tuple[Any, ...] = (setup.key(workload), margin, shard_over, verify, max_batch_size,
-                                 errors_key(known_error))  # fmt: skip
+                                 errors_key(known_error), allocator_tie_order())  # fmt: skip
     if seq:  # the answer depends on how the workload is rebuilt at each length
         settings += ("seq_len", batch_size, seq_multiple, workload.at_seq_len, workload.max_seq_len)
     result = CACHE.device_fact("fit", workload, dev, policy.param_dtype, run, extra=settings)

@@ -17,7 +17,7 @@ from ..batching import make_splits
 from ..errors import DoesNotFitError, TraceError
 from ..gpu.catalog import Device
 from ..memory.cache import CACHE
-from ..memory.estimate import cached_trace, finish_estimate, with_accumulation
+from ..memory.estimate import allocator_tie_order, cached_trace, finish_estimate, with_accumulation
 from ..memory.states import state_bytes
 from ..memory.synthesis.scaling import TraceLine
 from ..memory.synthesis.sharding import shard_trace
@@ -105,7 +105,7 @@ def _fit_config(
     traces nothing and replays no allocator.
     """
     policy = config.setup.policy(dev)
-    settings = (config, gpus, share, margin, verify, wl.accumulation_steps, errors_key())
+    settings = (config, gpus, share, margin, verify, wl.accumulation_steps, errors_key(), allocator_tie_order())
 
     def compute() -> tuple[FitResult | None, bool]:
         fitted = _fit_config_uncached(wl, dev, config, gpus, share, margin, verify=verify, progress=progress)

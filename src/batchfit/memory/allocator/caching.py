@@ -25,7 +25,8 @@ Limitations:
       two equal blocks is reused and split, never the bytes of the allocation being made; but near the
       capacity that decides whether a large block is found: the 8B LoRA step at 15 items ran out of memory
       on the GPU (descending addresses) and in the model's descending replay, and runs in the ascending
-      one. NOTE [ Fits whatever addresses the driver gives ] in ``memory/estimate.py`` uses both.
+      one. NOTE [ Fits whatever addresses the driver gives ] in ``memory/estimate.py`` says which order an
+      estimate replays.
     * Expandable segments map and unmap pages as ``ExpandableSegment`` does (2 MiB pages in the small pool,
       20 MiB in the large one) and reserved memory is the mapped pages. A segment's address space is 1 1/8
       of the capacity (C++: of the GPU's total memory). Driver granularity, mapping cost and IPC are not
@@ -366,12 +367,16 @@ class StorageEvents:
     events: list[int]
     nbytes: dict[int, int]
     skip: set[int] | frozenset[int] = frozenset()
+    optional: set[int] | frozenset[int] = frozenset()
+    """Storages a kernel can do without: where one runs out of memory the step goes on without it (a cuDNN
+    convolution's workspace, whose engine falls back to one that needs none; ``replay``'s Returns)."""
 
 
 def _replay_storages(alloc: CachingAllocator, timeline: StorageEvents) -> AllocatorStats:
     """``replay``'s loop over a ``StorageEvents``, with its checks."""
     malloc, free = alloc._malloc_block, alloc._free_block
-    nbytes, skip = timeline.nbytes, timeline.skip
+    nbytes, skip, optional = timeline.nbytes, timeline.skip, timeline.optional
+    refused: set[int] = set()
     blocks: dict[int, _Block | None] = {}
     for e in timeline.events:
         if e >= 0:
@@ -382,7 +387,12 @@ def _replay_storages(alloc: CachingAllocator, timeline: StorageEvents) -> Alloca
             try:
                 blocks[e] = malloc(nbytes[e])
             except torch.OutOfMemoryError:
-                break
+                if e not in optional:
+                    break
+                refused.add(e)  # the kernel's fall-back: the step goes on, its out-of-memory error caught
+                alloc._oom_at_event = None
+        elif ~e in refused:
+            refused.discard(~e)
         elif ~e not in skip:
             try:
                 block = blocks.pop(~e)

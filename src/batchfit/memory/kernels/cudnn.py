@@ -66,13 +66,12 @@ Sources: PyTorch's ``aten/src/ATen/native/Convolution.cpp`` (``_select_conv_back
    cache and retried), ``try_configs`` / ``try_plans`` catch the ``OutOfMemoryError`` and try the next
    engine, which needs less, and the step goes on, slower. A real ResNet-50 step on an H200 capped at
    16 GiB shows it (batch 192 in ``benchmarks/results/snapshots-H200-2026-11-26``): 36 caught OOMs of
-   workspaces from 92 to 768 MiB, then an 8 KiB one, and the step completed. The model keeps the
-   workspace as an allocation, so it may report "does not fit" where the GPU would have fallen back to a
-   slower engine: the conservative side. It stays so on purpose. Replayed with the fall-back (a
-   workspace that runs out of memory taken as none), whether a step fits stops being monotonic in the
-   batch: a small CNN on 1 GiB fitted at 533 and 542 but not at 534, each decided by which cached blocks
-   the skipped workspaces left, and which engine the GPU falls back to (and keeps in its plan cache for
-   the later calls) is cuDNN's choice. ``fit`` and ``plan`` need an answer below which every batch runs.
+   workspaces from 92 to 768 MiB, then an 8 KiB one, and the step completed. The allocator model's replay
+   at the capacity does the same (NOTE [ A workspace cuDNN can
+   do without ] in ``memory/estimate.py``): a workspace that does not fit is taken as none, the engine cuDNN
+   falls back to. Which engine that is, and what it takes, is cuDNN's choice (in the recorded VGG-16 streams 0
+   to 240 MiB where about 1 GiB was refused), and PyTorch keeps it in its plan cache for the later calls; so
+   whether a step fits is not always monotonic in the batch near the capacity, on the GPU as in the model.
 
 A device profile (``batchfit calibrate``) replaces the two factors of 4 and 5 with ratios measured per
 direction on the GPU (``Device.conv_workspace`` and ``conv_workspace_benchmark``).
