@@ -299,7 +299,10 @@ def test_channels_last_is_read_from_strides(channels_last: bool) -> None:
 
 
 # -- what it changes: a CNN on a 16 GB GPU ----------------------------------------------------------------
-def test_a_cnn_on_a_16gb_gpu_needs_more_and_fits_fewer_items() -> None:
+def test_a_cnn_on_a_16gb_gpu_needs_more_and_fits_as_many_items_falling_back_where_a_workspace_does_not_fit() -> None:
+    """Away from the capacity the workspaces add to the step; at it, cuDNN runs engines that need less where a
+    workspace does not fit (NOTE [ A workspace cuDNN can do without ]), so fit answers what it answers without
+    cuDNN, and its estimate says how many workspaces were done without."""
     # A ResNet-18-shaped network (width 64, 4 stages) on 224x224 images, fp32 AdamW, on a V100-16GB.
     wl = batchfit.presets.get("cnn", image_size=224, width=64, stages=4)
     with torch.backends.cudnn.flags(enabled=False):  # no cuDNN: the estimate without workspaces
@@ -311,5 +314,6 @@ def test_a_cnn_on_a_16gb_gpu_needs_more_and_fits_fewer_items() -> None:
     assert (after.peak_allocated_bytes, after.device_total_bytes) == (11_451_328_000, 13_314_818_048)
     # The largest workspace: a 3x3 64->64 convolution at 224x224, 48 x 64 x 224 x 224 fp32 in and out.
     assert after.cudnn_workspace_bytes == 2 * 48 * 64 * 224 * 224 * 4 + 64 * 64 * 9 * 4 == 1_233_272_832
-    assert (fit_before.max_batch_size, fit_after.max_batch_size) == (69, 68)
-    assert fit_after.estimate.device_total_bytes == 16_909_336_576 <= fit_after.capacity_bytes
+    assert (fit_before.max_batch_size, fit_after.max_batch_size) == (69, 69)
+    assert fit_after.estimate.device_total_bytes == 16_892_559_360 <= fit_after.capacity_bytes
+    assert "4 cuDNN convolution workspaces did not fit at the capacity" in " ".join(fit_after.estimate.notes)

@@ -89,8 +89,9 @@ def test_fit_keeps_the_family_error_free_and_says_why(wl: Workload, family: str,
     kept = int(total * known.fraction)
     assert (r.known_error_bytes, r.capacity_bytes) == (kept, total - kept)
     assert r.known_error == known.describe(kept) and known.evidence in r.known_error
-    over = batchfit.estimate(wl, r.max_batch_size + 1, device="1GiB")
-    assert r.estimate.device_total_bytes <= r.capacity_bytes < over.device_total_bytes
+    budget = get_device("1GiB").with_overrides(total_bytes=r.capacity_bytes)  # the device less what is kept
+    assert r.estimate.device_total_bytes <= r.capacity_bytes
+    assert not batchfit.estimate(wl, r.max_batch_size + 1, device=budget).fits
     assert r.to_dict()["known_error_bytes"] == kept
     assert batchfit.fit(wl, "1GiB", known_error=False).max_batch_size > r.max_batch_size
     monkeypatch.setenv("BATCHFIT_KNOWN_ERRORS", "0")

@@ -410,3 +410,30 @@ def test_fit_for_a_capped_cnn_answers_a_batch_that_ran_within_3_percent_of_the_l
         mp.setenv("BATCHFIT_KNOWN_ERRORS", "1")
         fitted = batchfit.fit(truth.BY_NAME[case].make(), device, precision="fp32")
     assert 0.97 * largest <= fitted.max_batch_size <= largest, fitted.max_batch_size
+
+
+def test_a_step_that_ran_out_of_memory_bounds_its_familys_shortfall_of_capacity(truth: ModuleType) -> None:
+    """The row that sets the convolutional family's kept error: transformers' ResNet-50 ran out of memory at 3,300
+    images on a whole H200, and its trace completes in less than that capacity; the least capacity it completes
+    in (in the order of addresses of the row's torch, cuDNN's workspaces optional, as ``fit`` replays it) is the
+    recorded bound."""
+    from batchfit.activation_checkpointing import checkpoint_classes
+    from batchfit.memory.allocator.stream_replay import tie_order_for
+    from batchfit.memory.estimate import _storage_events, trace_for_device
+    from batchfit.precision import policy_for
+
+    spec = importlib.util.spec_from_file_location("capacity_need", RESULTS.parent / "capacity_need.py")
+    assert spec is not None and spec.loader is not None
+    need = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(need)
+    (path, case, precision, batch), recorded = min(OOM_CAPACITY.items(), key=lambda kv: kv[1])
+    (row,) = [r for r in csv.DictReader(path.open(newline=""))
+              if (r["case"], r["precision"], int(r["batch"])) == (case, precision, batch)]  # fmt: skip
+    assert row["result"] == "out of memory"
+    device = truth._replay_device(row["gpu"], row.get("capacity") or None, None, {})[0]
+    c = truth.BY_NAME[case]
+    workload = c.make()
+    policy = policy_for(precision, bf16_supported=device.bf16, device_name=device.name)
+    trace = trace_for_device(workload, batch, device, policy, checkpoint_classes(c.blocks, workload.checkpoint_blocks))
+    least = need.smallest_capacity(_storage_events(trace, fallbacks=True), tie_order_for(row["torch"]) == "address")
+    assert abs(100 * (least - device.usable_bytes) / device.usable_bytes - recorded) <= 0.01, least

@@ -9,16 +9,19 @@ the allocated peak's where the missing memory can share what the allocator holds
 allocator releases its cache, and the real step ran where the fit said (the CNNs capped at 8 GiB on an
 H200 ran at fit's answer and the next batch, with their reserved peaks estimated up to 32% low at the full
 GPU). It is the reserved peak's where the missing memory is a large transient that takes segments of its
-own: cuDNN's LSTM workspace, taken in every layer's forward, made the bidirectional LSTM capped at 2 GiB run
-out of memory at fit's answer while its allocated shortfall was kept free (``KnownError.peak``). It is the
+own (``KnownError.peak``; no family keeps one today: cuDNN's LSTM workspace, which made a capped bidirectional
+LSTM run out of memory at fit's answer while its allocated shortfall was kept free, is modelled now). It is the
 smallest capacity's where the recorded streams say so directly: replayed at decreasing capacities
 (``benchmarks/capacity_need.py``), a QLoRA step's own stream needed up to 7.8% more than its trace, while its
 allocated peak was exact and its reserved peak 2.3% low, because the GPU's cache was cut into smaller free
 blocks than the trace's; a fit that kept nothing would answer, below some capacities, a batch that does not run
-there. A family without
-such a measurement keeps nothing, and a fit verified by real steps (``fit(..., "cuda")``, a simulated
-device) needs none. The figures are the measured rows' own, estimated again with this code: when the
-estimator improves, ``tests/test_gpu_truth_rows.py`` fails until the figure here is the rows' new one.
+there. A step that ran out of memory at a capacity its trace completes in bounds that shortfall from below (the
+GPU needed more than the capacity): transformers' ResNet-50 at 3,300 images on a whole H200, 0.60%. A
+convolutional network's own stream cannot measure it the other way, since replayed below the capacity it ran in
+a fixed stream cannot fall back to a cheaper cuDNN engine as the GPU does. A family without such a measurement
+keeps nothing, and a fit verified by real steps (``fit(..., "cuda")``, a simulated device) needs none. The
+figures are the measured rows' own, estimated again with this code: when the estimator improves,
+``tests/test_gpu_truth_rows.py`` fails until the figure here is the rows' new one.
 
 ``BATCHFIT_KNOWN_ERRORS=0`` (or ``fit(..., known_error=False)``) turns it off: the answer is then the
 allocator model's alone, exact against ``estimate`` (which is how the search itself is tested).
