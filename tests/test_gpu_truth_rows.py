@@ -100,6 +100,16 @@ def truth() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="module")
+def need() -> ModuleType:
+    """``benchmarks/capacity_need.py``: the least capacity a recorded step or a trace completes in."""
+    spec = importlib.util.spec_from_file_location("capacity_need", RESULTS.parent / "capacity_need.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _measured(path: Path, kind: str) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return [r for r in csv.DictReader(f) if r["kind"] == kind]
@@ -331,13 +341,9 @@ def test_a_bitsandbytes_probe_is_estimated_to_fit_where_it_ran(truth: ModuleType
     assert replayed["est_fits"] is (BNB_AT_FIT[index][2] == "ran"), BNB_AT_FIT[index]
 
 
-def test_a_4_bit_step_needs_the_capacity_recorded_for_it(truth: ModuleType) -> None:
+def test_a_4_bit_step_needs_the_capacity_recorded_for_it(truth: ModuleType, need: ModuleType) -> None:
     """The QLoRA row that sets the 4-bit family's kept error: its GPU stream and its trace replayed at decreasing
     capacities, the least each completes in; the shortfall is the recorded one (and it is no smaller today)."""
-    spec = importlib.util.spec_from_file_location("capacity_need", RESULTS.parent / "capacity_need.py")
-    assert spec is not None and spec.loader is not None
-    need = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(need)
     (path, case, precision, batch), recorded = min(CAPACITY_ERRORS.items(), key=lambda kv: kv[1])
     row = _row(path, case, precision, batch)
     (snapshot,) = RESULTS.glob(f"snapshots-*/{row['snapshot']}")
@@ -412,7 +418,8 @@ def test_fit_for_a_capped_cnn_answers_a_batch_that_ran_within_3_percent_of_the_l
     assert 0.97 * largest <= fitted.max_batch_size <= largest, fitted.max_batch_size
 
 
-def test_a_step_that_ran_out_of_memory_bounds_its_familys_shortfall_of_capacity(truth: ModuleType) -> None:
+def test_a_step_that_ran_out_of_memory_bounds_its_familys_shortfall_of_capacity(truth: ModuleType,
+                                                                                need: ModuleType) -> None:
     """The row that sets the convolutional family's kept error: transformers' ResNet-50 ran out of memory at 3,300
     images on a whole H200, and its trace completes in less than that capacity; the least capacity it completes
     in (in the order of addresses of the row's torch, cuDNN's workspaces optional, as ``fit`` replays it) is the
@@ -422,10 +429,6 @@ def test_a_step_that_ran_out_of_memory_bounds_its_familys_shortfall_of_capacity(
     from batchfit.memory.estimate import _storage_events, trace_for_device
     from batchfit.precision import policy_for
 
-    spec = importlib.util.spec_from_file_location("capacity_need", RESULTS.parent / "capacity_need.py")
-    assert spec is not None and spec.loader is not None
-    need = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(need)
     (path, case, precision, batch), recorded = min(OOM_CAPACITY.items(), key=lambda kv: kv[1])
     (row,) = [r for r in csv.DictReader(path.open(newline=""))
               if (r["case"], r["precision"], int(r["batch"])) == (case, precision, batch)]  # fmt: skip
