@@ -85,6 +85,16 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def _skip_where_fp32_gqa_runs_fused(case: str, row: dict[str, str]) -> None:
+    """Skip a test of a row's capacity where this torch traces fp32 grouped-query attention through a fused kernel
+    and the row's torch ran the math path (``FP32_GQA``): the step measured is not the one traced here."""
+    from batchfit.third_party import torch_release
+
+    if case in FP32_GQA and torch_release() >= (2, 14) > _release(row["torch"]):
+        pytest.skip(f"{case} was measured with torch {row['torch']}, whose fp32 grouped-query attention ran the math "
+                    f"path; this torch runs a fused kernel")
+
+
 CONSERVATIVE_PROBES = {("qwen25-7b-lora-all-ckpt-s4096", 8)}
 """Probes that ran although the estimate says they do not fit (an H100's: the plain loop's, estimated here with
 peft's default recipe and this transformers): fit leaves that batch unused. The set may shrink, not grow."""
@@ -346,6 +356,7 @@ def test_a_4_bit_step_needs_the_capacity_recorded_for_it(truth: ModuleType, need
     capacities, the least each completes in; the shortfall is the recorded one (and it is no smaller today)."""
     (path, case, precision, batch), recorded = min(CAPACITY_ERRORS.items(), key=lambda kv: kv[1])
     row = _row(path, case, precision, batch)
+    _skip_where_fp32_gqa_runs_fused(case, row)
     (snapshot,) = RESULTS.glob(f"snapshots-*/{row['snapshot']}")
     measured = need.measure(snapshot, row, truth)
     assert abs(100 * measured["shortfall"] - recorded) <= SLACK, measured["shortfall"]
@@ -358,6 +369,7 @@ def test_fit_for_a_capped_qlora_keeps_the_4_bit_capacity_and_answers_the_batch_t
     from batchfit.planning.known_error import KNOWN_ERRORS
 
     (row,) = [r for r in _measured(BNB_CAPACITY, "probe") if r["case"] == "llama31-8b-2l-qlora-qv-ckpt-s2048"]
+    _skip_where_fp32_gqa_runs_fused(row["case"], row)
     device = truth._replay_device(row["gpu"], int(row["capacity"]), None, {})[0]
     case = truth.BY_NAME[row["case"]]
     with pytest.MonkeyPatch.context() as mp:
