@@ -22,29 +22,23 @@ catches rows that move relative to each other.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 from batchfit.models import hf
 from batchfit.units import MiB
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 pytestmark = pytest.mark.skipif(not hf.available(), reason="transformers is not installed")
 
 
 def _calibration() -> ModuleType:
     """``benchmarks/calibration.py`` as the module ``calibration`` (worker processes import it by that name)."""
     if "calibration" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("calibration", BENCHMARKS / "calibration.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["calibration"] = module
-        spec.loader.exec_module(module)
+        load_benchmark("calibration")
     return sys.modules["calibration"]
 
 

@@ -4,26 +4,20 @@ about, its grid, and how it reads a real call's workspaces."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sizes() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cudnn_rnn_sizes", ROOT / "benchmarks" / "cudnn_rnn_sizes.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cudnn_rnn_sizes"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("cudnn_rnn_sizes")
 
 
 def test_without_a_gpu_it_says_so_in_one_line(sizes: ModuleType, capsys, monkeypatch, tmp_path: Path) -> None:

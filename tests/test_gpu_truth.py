@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_modules import load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def truth() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_truth", BENCHMARKS / "gpu_truth.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_truth"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_truth")
 
 
 def test_without_a_gpu_it_says_so_in_one_line(truth: ModuleType, capsys, monkeypatch) -> None:
@@ -131,10 +125,7 @@ def test_the_smallest_capacity_counts_what_the_allocator_gives_back_when_memory_
     """Two 10 MiB blocks, the first freed, then 20 MiB: unbounded, the allocator keeps the freed segment cached and
     reserves 40 MiB; short of memory it releases that segment and retries, so 30 MiB (the allocated peak) is the
     least capacity the step completes in (``benchmarks/capacity_need.py``)."""
-    spec = importlib.util.spec_from_file_location("capacity_need", BENCHMARKS / "capacity_need.py")
-    assert spec is not None and spec.loader is not None
-    need = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(need)
+    need = load_benchmark("capacity_need")
     mib = 2**20
     calls = [(True, 1, 10 * mib), (True, 2, 10 * mib), (False, 1, 0), (True, 3, 20 * mib), (False, 2, 0), (False, 3, 0)]
     for descending in (False, True):  # no two equal free blocks: the order of addresses decides nothing here

@@ -12,12 +12,11 @@ the suite fast; ``benchmarks/gpu_truth.py --replay FILE`` estimates all of them.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_modules import load_benchmark
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 H200 = RESULTS / "gpu_truth-NVIDIA_H200-2026-11-26.csv"
@@ -85,12 +84,17 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _skip_where_fp32_gqa_runs_fused(case: str, row: dict[str, str]) -> None:
-    """Skip a test of a row's capacity where this torch traces fp32 grouped-query attention through a fused kernel
-    and the row's torch ran the math path (``FP32_GQA``): the step measured is not the one traced here."""
+def _fp32_gqa_runs_fused(case: str, row: dict[str, str]) -> bool:
+    """Whether this torch traces the row's fp32 grouped-query attention through a fused kernel where the row's torch
+    ran the math path (``FP32_GQA``): the step measured is not the one traced here."""
     from batchfit.third_party import torch_release
 
-    if case in FP32_GQA and torch_release() >= (2, 14) > _release(row["torch"]):
+    return case in FP32_GQA and torch_release() >= (2, 14) > _release(row["torch"])
+
+
+def _skip_where_fp32_gqa_runs_fused(case: str, row: dict[str, str]) -> None:
+    """Skip a test of a row's capacity where the step measured is not the one traced here (``_fp32_gqa_runs_fused``)."""
+    if _fp32_gqa_runs_fused(case, row):
         pytest.skip(f"{case} was measured with torch {row['torch']}, whose fp32 grouped-query attention ran the math "
                     f"path; this torch runs a fused kernel")
 
@@ -102,22 +106,13 @@ peft's default recipe and this transformers): fit leaves that batch unused. The 
 
 @pytest.fixture(scope="module")
 def truth() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_truth", RESULTS.parent / "gpu_truth.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_truth"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_truth")
 
 
 @pytest.fixture(scope="module")
 def need() -> ModuleType:
     """``benchmarks/capacity_need.py``: the least capacity a recorded step or a trace completes in."""
-    spec = importlib.util.spec_from_file_location("capacity_need", RESULTS.parent / "capacity_need.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("capacity_need")
 
 
 def _measured(path: Path, kind: str) -> list[dict[str, str]]:
@@ -133,14 +128,12 @@ def _row(path: Path, case: str, precision: str, batch: int) -> dict[str, str]:
 
 @pytest.mark.parametrize(("path", "case", "precision", "batch"), list(ERRORS), ids=lambda v: getattr(v, "stem", v))
 def test_a_measured_step_is_estimated_no_worse_than_recorded(truth: ModuleType, path, case, precision, batch) -> None:
-    from batchfit.third_party import torch_release
-
     recorded = _row(path, case, precision, batch)
     row = truth.replay_row(recorded)
     assert row["error"] is None, row["error"]
     allocated, reserved = ERRORS[path, case, precision, batch]
     assert abs(100 * row["err_allocated"]) <= abs(allocated) + SLACK, (row["err_allocated"], allocated)
-    if case in FP32_GQA and torch_release() >= (2, 14) > _release(recorded["torch"]):
+    if _fp32_gqa_runs_fused(case, recorded):
         # recorded where CUDA ran fp32 grouped-query attention on the math path; this torch's memory-efficient
         # kernel takes it (memory/kernels/cuda.py, item 2a), so the step reserves less than the row measured
         assert 100 * row["err_reserved"] < reserved - SLACK, (row["err_reserved"], reserved)

@@ -7,6 +7,7 @@ import pickletools
 from bisect import bisect_right
 
 import pytest
+from benchmark_modules import load_benchmark
 from torch.cuda import _memory_viz
 
 from batchfit import presets
@@ -176,13 +177,7 @@ def test_capacity_snapshot_of_a_step_that_fits_matches_the_estimate(gpt_trace) -
 def test_the_segment_listing_adds_up_to_the_reserved_peak(gpt_trace) -> None:
     """``benchmarks/snapshot_segments.py`` (set beside a real step's snapshot): every cudaMalloc in order, each
     with the request that caused it, the last running total the replay's reserved peak."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "snapshot_segments.py"
-    spec = importlib.util.spec_from_file_location("snapshot_segments", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("snapshot_segments")
     rows = module.segments(build_snapshot(gpt_trace))
     stats = replay(gpt_trace.allocations())
     assert rows[-1]["reserved"] == sum(r["segment"] for r in rows) == stats.peak_reserved_bytes

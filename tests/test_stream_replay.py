@@ -12,6 +12,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
 from batchfit.errors import ConfigError
 from batchfit.memory.allocator.stream_replay import (
@@ -279,12 +280,7 @@ def test_the_recording_torch_is_read_from_the_snapshot_when_written_there() -> N
 
 
 def test_the_replay_benchmark_reads_folders_and_says_which_snapshots_replay(tmp_path: Path, capsys) -> None:
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "snapshot_replay.py"
-    spec = importlib.util.spec_from_file_location("snapshot_replay", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("snapshot_replay")
     (tmp_path / "a.pickle.gz").write_bytes(gzip.compress(pickle.dumps(_equal_blocks_in_two_segments(C))))
     (tmp_path / "b.pickle").write_bytes(pickle.dumps(_equal_blocks_in_two_segments(A)))
     assert module.main([str(tmp_path), "--torch", "2.11.0"]) == 1
@@ -295,21 +291,11 @@ def test_the_replay_benchmark_reads_folders_and_says_which_snapshots_replay(tmp_
     assert module.main([str(tmp_path / "nothing")]) == 1
 
 
-def _benchmark(name: str):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_stream_diff_finds_a_request_only_the_gpu_made(gpt_trace) -> None:
     """``benchmarks/stream_diff.py``: a kernel's workspace the trace lacks shows as an inserted alloc and free."""
     from batchfit.memory.allocator.snapshot import build_snapshot
 
-    diff = _benchmark("stream_diff")
+    diff = load_benchmark("stream_diff")
     traced = build_snapshot(gpt_trace)
     entries = traced["device_traces"][0]
     at = next(i for i, e in enumerate(entries) if e["action"] == "alloc" and i > len(entries) // 2)
@@ -335,7 +321,7 @@ def test_the_stream_diff_of_a_step_against_its_own_trace_is_empty(tmp_path: Path
     snap = build_snapshot(trace_for_device(wl, 512, dev, policy_for("fp32", device_name=dev.name), ()))
     path = tmp_path / "snapshot-mlp-fp32-512.pickle.gz"
     path.write_bytes(gzip.compress(pickle.dumps({**snap, "recorded_with": {"gpu": "NVIDIA H200"}})))
-    assert _benchmark("stream_diff").main([str(path)]) == 0
+    assert load_benchmark("stream_diff").main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "mlp fp32 batch 512 on NVIDIA H200" in out and "0 stretches differ" in out
     assert "only on the GPU: nothing" in out and "only in the trace: nothing" in out
@@ -352,7 +338,7 @@ def test_the_gpus_own_workspace_sizes_are_found_for_each_traced_workspace() -> N
     from batchfit.memory.estimate import trace_for_device
     from batchfit.precision import policy_for
 
-    diff = _benchmark("stream_diff")
+    diff = load_benchmark("stream_diff")
     wl = Workload(model=lambda: nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)),
                   batch=lambda b: torch.randn(b, 4, 16, 16), loss=lambda m, x: m(x).sum())  # fmt: skip
     trace = trace_for_device(wl, 2, get_device("H200"), policy_for("fp32", device_name="H200"), ())
@@ -377,7 +363,7 @@ def test_with_the_gpus_own_cudnn_workspaces_a_traced_cnn_step_reserves_what_the_
     reproduce the GPU's reserved peak within 1.2%: what is left of the error is cuDNN's choice of engines."""
     from batchfit.memory.allocator.stream_replay import load_snapshot
 
-    diff = _benchmark("stream_diff")
+    diff = load_benchmark("stream_diff")
     monkeypatch.setenv("BATCHFIT_DEPTH_SYNTHESIS", "0")  # the written trace frees some workspaces later
     recorded = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "snapshots-H200-2026-11-26"
     snapshot = load_snapshot(recorded / "snapshot-cnn-resnet18-fp32-16.pickle.gz")

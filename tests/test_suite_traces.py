@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "suite_traces.py"
+from benchmark_modules import load_benchmark
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("suite_traces", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("suite_traces")
 
 
 def test_a_step_whose_key_was_traced_before_counts_as_traced_again_where_it_is_traced_again() -> None:
